@@ -1,0 +1,107 @@
+"""The bundled verifiable task: arithmetic word problems generated from a seed.
+
+Every row carries its ground-truth answer, so rewards are exact (rule-based) and
+accuracy is measurable. Completions follow the GSM8K convention: a worked line,
+then ``#### <answer>``.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+NAMES = ["Ann", "Ben", "Cal", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Joe", "Kim", "Lou"]
+ITEMS = ["apple", "book", "coin", "pen", "egg", "cup", "ball", "card"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    work: str
+    answer: int
+
+    @property
+    def prompt(self) -> str:
+        return f"Question: {self.question}\nAnswer:"
+
+    @property
+    def completion(self) -> str:
+        return f" {self.work}\n#### {self.answer}"
+
+
+def make_problem(rng: random.Random, max_operand: int = 20) -> Problem:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+    if rng.random() < 0.5:
+        q = f"{name} has {a} {item}s and gets {b} more. How many {item}s does {name} have?"
+        return Problem(q, f"{a} + {b} = {a + b}", a + b)
+    a, b = max(a, b), min(a, b)
+    q = f"{name} has {a} {item}s and gives away {b}. How many {item}s are left?"
+    return Problem(q, f"{a} - {b} = {a - b}", a - b)
+
+
+def make_problems(n: int, seed: int, max_operand: int = 20) -> list[Problem]:
+    rng = random.Random(seed)
+    return [make_problem(rng, max_operand) for _ in range(n)]
+
+
+def wrong_answer(problem: Problem, rng: random.Random) -> int:
+    """A plausible wrong answer (off by a small amount), never the true one."""
+    delta = rng.choice([-3, -2, -1, 1, 2, 3, 10, -10])
+    return problem.answer + delta if problem.answer + delta >= 0 else problem.answer - delta
+
+
+def wrong_completion(problem: Problem, rng: random.Random) -> str:
+    w = wrong_answer(problem, rng)
+    left = problem.work.rsplit("=", 1)[0].strip()
+    return f" {left} = {w}\n#### {w}"
+
+
+# Seeds of the fixed splits: eval never overlaps train by construction of the seed,
+# and duplicates across splits are removed below.
+TRAIN_SEED, EVAL_SEED, PROMPT_SEED = 1, 2, 3
+
+
+def _split(n: int, seed: int, exclude: set[str]) -> list[Problem]:
+    out, rng = [], random.Random(seed)
+    while len(out) < n:
+        p = make_problem(rng)
+        if p.question not in exclude:
+            out.append(p)
+    return out
+
+
+def eval_problems(n: int = 200) -> list[Problem]:
+    return _split(n, EVAL_SEED, set())
+
+
+def train_problems(n: int = 2000) -> list[Problem]:
+    held_out = {p.question for p in eval_problems()}
+    return _split(n, TRAIN_SEED, held_out)
+
+
+def prompt_problems(n: int = 256) -> list[Problem]:
+    held_out = {p.question for p in eval_problems()}
+    return _split(n, PROMPT_SEED, held_out)
+
+
+def sft_rows(n: int = 2000) -> list[dict]:
+    return [{"prompt": p.prompt, "completion": p.completion} for p in train_problems(n)]
+
+
+def eval_rows(n: int = 200) -> list[dict]:
+    return [{"prompt": p.prompt, "completion": p.completion, "ground_truth": str(p.answer)} for p in eval_problems(n)]
+
+
+def prompt_rows(n: int = 256) -> list[dict]:
+    return [{"prompt": p.prompt, "ground_truth": str(p.answer)} for p in prompt_problems(n)]
+
+
+def preference_rows(problems: list[Problem], seed: int = 0) -> list[dict]:
+    """Correct answer chosen, a near-miss wrong answer rejected."""
+    rng = random.Random(seed)
+    return [{"prompt": p.prompt, "chosen": p.completion, "rejected": wrong_completion(p, rng)} for p in problems]
+
+
+def corpus(n: int = 4000) -> list[str]:
+    """Text the default tokenizer is trained on."""
+    return [p.prompt + p.completion for p in make_problems(n, seed=12345)]

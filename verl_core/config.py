@@ -1,0 +1,68 @@
+"""Typed configuration: pydantic models that reject unknown keys and load from YAML."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+T = TypeVar("T", bound="StrictConfig")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used: unknown key, wrong type, bad value."""
+
+
+class StrictConfig(BaseModel):
+    """Base for every config: unknown keys are an error, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict[str, Any], *, source: str = "config") -> T:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(_describe(err, cls.__name__, source)) from None
+
+    @classmethod
+    def from_yaml(cls: type[T], path: str | Path, overrides: dict[str, Any] | None = None) -> T:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+        for dotted, value in (overrides or {}).items():
+            set_dotted(data, dotted, value)
+        return cls.from_dict(data, source=str(path))
+
+    def to_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
+
+    def updated(self: T, **changes: Any) -> T:
+        """A validated copy with ``changes`` applied (unknown keys rejected)."""
+        return type(self).from_dict({**self.model_dump(), **changes}, source=type(self).__name__)
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """``set_dotted(d, "sft.learning_rate", 1e-4)`` sets ``d["sft"]["learning_rate"]``."""
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is not a mapping")
+    node[keys[-1]] = value
+
+
+def _describe(err: ValidationError, name: str, source: str) -> str:
+    lines = [f"invalid {name} in {source}:"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  unknown key {where!r}")
+        else:
+            lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""The embedded default: a small Llama-family model and a BPE tokenizer built locally.
+
+Both are built deterministically from a seed and saved with ``save_pretrained`` into
+a cache folder, so every code path loads them through ``from_pretrained`` exactly
+like a user's model. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from pydantic import Field
+
+from verl_core import arithmetic
+from verl_core.config import StrictConfig
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+class TinyModelConfig(StrictConfig):
+    """Sizes of the embedded default model (defaults: ~0.2M parameters, trains in minutes on 2 cores)."""
+
+    vocab_size: int = Field(384, ge=300)
+    hidden_size: int = 96
+    intermediate_size: int = 256
+    num_hidden_layers: int = 3
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    seed: int = 0
+
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.model_dump(), sort_keys=True) + BUILD_VERSION
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+BUILD_VERSION = "tiny-v1"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("VERL_CORE_CACHE", Path.home() / ".cache" / "verl_core"))
+
+
+def build_tokenizer(vocab_size: int = 384):
+    """Byte-level BPE trained on the bundled task's text; digits are always single tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(arithmetic.corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", model_max_length=1024
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(config: TinyModelConfig, tokenizer):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(config.seed)
+    return LlamaForCausalLM(cfg)
+
+
+def tiny_model_path(config: TinyModelConfig | None = None, cache_dir: str | Path | None = None) -> Path:
+    """Folder of the embedded default model + tokenizer, built on first use.
+
+    The folder is written under a temporary name and renamed into place, so a
+    crash mid-build never leaves a folder that looks complete.
+    """
+    config = config or TinyModelConfig()
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    target = root / f"tiny-llama-{config.fingerprint()}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
+    try:
+        tokenizer = build_tokenizer(config.vocab_size)
+        model = build_model(config, tokenizer)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,210 @@
+"""PPO-family policy and value losses, KL penalties and KL-coefficient controllers.
+
+All token tensors are [B, T] with a 0/1 ``response_mask``; losses are reduced to a scalar
+with :func:`aggregate`. Diagnostics (clip fractions, approximate KL) are detached.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from verl_core.losses.masked import masked_mean, masked_sum
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+# Bound on |log pi - log pi_old| before exponentiating: keeps exp() finite so that
+# gradients through the unselected branch of max/min are 0, not 0 * inf = NaN.
+_MAX_LOG_RATIO = 20.0
+
+
+def aggregate(loss_mat: Tensor, mask: Tensor, agg: str = "token-mean") -> Tensor:
+    """Reduce a [B, T] per-token loss to a scalar over the valid tokens.
+
+    With ``m`` the mask, ``n_b = sum_t m[b, t]`` and ``S`` the sequences with ``n_b > 0``:
+
+    - ``"token-mean"``:          ``sum_{b,t} m l / sum_{b,t} m``   (every token weighs the same;
+      DAPO, arXiv:2503.14476)
+    - ``"seq-mean-token-sum"``:  ``mean_{b in S} sum_t m l``       (Dr. GRPO, arXiv:2503.20783,
+      up to a constant)
+    - ``"seq-mean-token-mean"``: ``mean_{b in S} (sum_t m l / n_b)`` (original GRPO,
+      arXiv:2402.03300)
+
+    Sequences with no valid token are left out of the sequence means.
+    """
+    if agg == "token-mean":
+        return masked_mean(loss_mat, mask)
+    if agg in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        if agg == "seq-mean-token-sum":
+            per_seq = masked_sum(loss_mat, mask, dim=-1)
+        else:
+            per_seq = masked_mean(loss_mat, mask, dim=-1)
+        has_tokens = mask.bool().any(dim=-1)
+        return masked_mean(per_seq, has_tokens)
+    raise ValueError(f"unknown loss aggregation {agg!r}; expected one of {list(AGG_MODES)}")
+
+
+class PolicyLossOutput(NamedTuple):
+    loss: Tensor  # scalar, differentiable
+    clip_fraction: Tensor  # scalar, detached
+    approx_kl: Tensor  # scalar, detached
+
+
+def ppo_policy_loss(
+    old_logp: Tensor,
+    logp: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+) -> PolicyLossOutput:
+    """Clipped surrogate policy loss of PPO (Schulman et al. 2017, arXiv:1707.06347).
+
+    Per token, with ``rho = exp(logp - old_logp)``::
+
+        L_t = max(-A_t * rho, -A_t * clip(rho, 1 - clip_low, 1 + clip_high))
+
+    - Asymmetric bounds (``clip_high > clip_low``) are DAPO's "clip-higher"
+      (Yu et al. 2025, arXiv:2503.14476).
+    - ``dual_clip = c > 1`` adds the dual clip of Ye et al. 2020 (arXiv:1912.09729): for
+      ``A_t < 0`` the loss is capped at ``-c * A_t``, i.e. ``L_t = min(L_t, -c * A_t)``, so a
+      huge ratio on a bad action cannot produce an unbounded update.
+
+    ``clip_fraction`` is the fraction of valid tokens on which a clipped term is the active one
+    (so the token gets no gradient): the clipped surrogate strictly beat the unclipped one
+    (``rho`` outside ``[1 - clip_low, 1 + clip_high]`` on the side that matters for the sign of
+    ``A_t``), or the dual-clip cap was applied.
+
+    ``approx_kl`` estimates KL(pi_old || pi) with the k2 estimator of Schulman (2020,
+    "Approximating KL divergence"): ``mean_t 0.5 * (logp - old_logp)^2`` over valid tokens.
+
+    The log-ratio is clamped to [-20, 20] before ``exp`` for numerical safety (inactive in any
+    sane regime); masked positions never contribute to the loss or its gradient.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    mask = response_mask.bool()
+    log_ratio = torch.where(mask, logp - old_logp, 0.0).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    clip_active = clipped > unclipped
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual_active = (advantages < 0) & (cap < loss_mat)
+        loss_mat = torch.where(dual_active, cap, loss_mat)
+        clip_active = clip_active | dual_active
+
+    loss = aggregate(loss_mat, mask, agg)
+    with torch.no_grad():
+        clip_fraction = masked_mean(clip_active.to(loss_mat.dtype), mask)
+        approx_kl = masked_mean(0.5 * log_ratio**2, mask)
+    return PolicyLossOutput(loss, clip_fraction, approx_kl)
+
+
+class ValueLossOutput(NamedTuple):
+    loss: Tensor  # scalar, differentiable
+    clip_fraction: Tensor  # scalar, detached
+
+
+def ppo_value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    clip_range: float | None = 0.2,
+    agg: str = "token-mean",
+) -> ValueLossOutput:
+    """Clipped value loss of PPO (as in the PPO2 baselines code, Schulman et al. 2017).
+
+    Per token, with ``V_clip = V_old + clip(V - V_old, -eps, +eps)``::
+
+        L_t = 0.5 * max((V - R)^2, (V_clip - R)^2)
+
+    ``clip_range=None`` gives the plain ``0.5 * (V - R)^2``. ``clip_fraction`` is the fraction
+    of valid tokens on which the clipped term was strictly larger (the active one).
+    """
+    mask = response_mask.bool()
+    loss_unclipped = (values - returns) ** 2
+    if clip_range is None:
+        loss_mat = 0.5 * loss_unclipped
+        clip_active = torch.zeros_like(mask)
+    else:
+        values_clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+        loss_clipped = (values_clipped - returns) ** 2
+        loss_mat = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
+        clip_active = loss_clipped > loss_unclipped
+    loss = aggregate(loss_mat, mask, agg)
+    with torch.no_grad():
+        clip_fraction = masked_mean(clip_active.to(loss_mat.dtype), mask)
+    return ValueLossOutput(loss, clip_fraction)
+
+
+KL_KINDS = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from log-probs of tokens sampled from pi.
+
+    Estimators from Schulman (2020), "Approximating KL divergence"
+    (http://joschu.net/blog/kl-approx.html), with ``d = logp - ref_logp``:
+
+    - ``"k1"``: ``d`` (unbiased, high variance, can be negative)
+    - ``"abs"``: ``|d|``
+    - ``"k2"`` / ``"mse"``: ``0.5 * d^2`` (biased, low variance, >= 0)
+    - ``"k3"`` / ``"low_var_kl"``: ``exp(-d) - (-d) - 1`` (unbiased, >= 0, low variance).
+      As is common practice, ``-d`` is clamped to [-20, 20] before ``exp`` and the result is
+      clamped to [-10, 10], so one extreme token cannot dominate (or overflow) the penalty.
+
+    Returns a [B, T] tensor (no masking; aggregate it with the response mask).
+    """
+    diff = logp - ref_logp
+    if kind == "k1":
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind in ("k2", "mse"):
+        return 0.5 * diff**2
+    if kind in ("k3", "low_var_kl"):
+        log_ratio = (-diff).clamp(-20.0, 20.0)  # log(pi_ref / pi)
+        return (torch.exp(log_ratio) - log_ratio - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown kl penalty kind {kind!r}; expected one of {list(KL_KINDS)}")
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019, arXiv:1909.08593, eq. 2).
+
+    After a step that observed mean KL ``current_kl`` over ``n_steps`` samples::
+
+        e     = clip((current_kl - target) / target, -0.2, 0.2)
+        beta <- beta * (1 + e * n_steps / horizon)
+
+    so beta grows when KL exceeds the target and shrinks when below it.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"target and horizon must be > 0, got {target=}, {horizon=}")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        error = min(max((float(current_kl) - self.target) / self.target, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value
+
+
+class FixedKLController:
+    """Constant KL coefficient with the same interface as :class:`AdaptiveKLController`."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        return self.value

@@ -1,0 +1,1 @@
+"""Reward functions: rule-based scorers of completions against ground truths."""

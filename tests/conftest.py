@@ -1,0 +1,54 @@
+"""Shared fixtures: hermetic caches, the embedded default model, a small trained SFT policy."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="verl-core-tests-"))
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ["VERL_CORE_CACHE"] = str(_SESSION_TMP / "cache")
+os.environ["HF_DATASETS_CACHE"] = str(_SESSION_TMP / "hf-datasets")
+os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect")  # before any prefect import
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_TMP / 'mlflow.db'}"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def session_tmp() -> Path:
+    return _SESSION_TMP
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    from verl_core.tiny import tiny_model_path
+
+    return tiny_model_path()
+
+
+@pytest.fixture(scope="session")
+def sft_path(tiny_path, session_tmp) -> Path:
+    """The default model after a short SFT run on the bundled task (partial accuracy, room to improve)."""
+    from verl_core import arithmetic
+    from verl_core.algorithms.sft import SFTTrainer
+
+    out = session_tmp / "sft"
+    SFTTrainer(str(tiny_path), train_dataset=arithmetic.sft_rows(2000), max_steps=300, batch_size=32,
+               learning_rate=3e-3, warmup_steps=20, mixed_precision="bf16", output_dir=str(out),
+               progress=False, logging_steps=50).train()
+    return out / "model"
+
+
+@pytest.fixture()
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder not found at {SHARED_DATA}")
+    return SHARED_DATA

@@ -1,0 +1,110 @@
+"""What every offline algorithm shares: config merge, model loading, tokenization, the
+engine run, and an atomic save of the final model. An algorithm overrides four small
+methods: ``load_model``, ``tokenize``, ``collate`` and ``loss``."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+import torch
+
+from verl_core.callbacks import Callback
+from verl_core.config import ConfigError
+from verl_core.engine import Engine, LossOutput, TrainConfig, TrainResult, steps_for
+from verl_core.models import load_causal_lm, load_tokenizer, save_pretrained_atomic
+
+FINAL_MODEL_DIR = "model"
+
+
+def resolve_config(config_cls: type[TrainConfig], config: TrainConfig | dict | None, overrides: dict[str, Any]) -> TrainConfig:
+    """A typed config from an object, a dict, and/or keyword overrides (unknown keys rejected)."""
+    if config is None:
+        base: dict[str, Any] = {}
+    elif isinstance(config, dict):
+        base = dict(config)
+    elif isinstance(config, config_cls):
+        base = config.model_dump(exclude_unset=True)
+    else:
+        raise ConfigError(f"config must be a {config_cls.__name__} or a dict, got {type(config).__name__}")
+    return config_cls.from_dict({**base, **overrides}, source=f"{config_cls.__name__} arguments")
+
+
+class OfflineTrainer:
+    """Trains on a fixed dataset with the shared :class:`Engine`."""
+
+    config_cls: ClassVar[type[TrainConfig]] = TrainConfig
+
+    def __init__(self, model: Any, tokenizer: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 config: TrainConfig | dict | None = None, callbacks: Sequence[Callback] = (), **overrides: Any):
+        self.config = resolve_config(self.config_cls, config, overrides)
+        if train_dataset is None:
+            raise ConfigError(f"{type(self).__name__} needs a train_dataset")
+        self.model_source = str(model) if isinstance(model, (str, os.PathLike)) else None
+        if tokenizer is None:
+            if self.model_source is None:
+                raise ConfigError("pass a tokenizer when the model is an object, not a path")
+            tokenizer = load_tokenizer(self.model_source)
+        self.tokenizer = tokenizer
+        # Validate and tokenize before any model is built, so bad data fails fast.
+        self.train_examples = self.tokenize(train_dataset)
+        self.eval_examples = self.tokenize(eval_dataset) if eval_dataset is not None else None
+        torch.manual_seed(self.config.seed)
+        self.model = self.load_model(self.model_source) if self.model_source else model
+        self.callbacks = list(callbacks)
+        self.engine: Engine | None = None
+
+    # -- what an algorithm provides --------------------------------------------------------
+    def load_model(self, path: str):
+        return load_causal_lm(path, gradient_checkpointing=self.config.gradient_checkpointing)
+
+    def tokenize(self, rows: Any) -> list[dict]:
+        raise NotImplementedError
+
+    def collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def loss(self, model, batch: dict[str, torch.Tensor]) -> LossOutput:
+        raise NotImplementedError
+
+    def evaluate(self, model) -> dict[str, float]:
+        """Eval metrics on ``eval_examples`` (default: the mean loss, no gradients)."""
+        if not self.eval_examples:
+            return {}
+        was_training = model.training
+        model.eval()
+        totals: dict[str, float] = {}
+        count = 0.0
+        bs = max(1, self.config.batch_size // self.config.gradient_accumulation_steps)
+        with torch.no_grad():
+            for start in range(0, len(self.eval_examples), bs):
+                batch = self.collate(self.eval_examples[start:start + bs])
+                out = self.loss(model, batch)
+                c = float(out.count)
+                count += c
+                totals["loss"] = totals.get("loss", 0.0) + float(out.loss_sum)
+                for k, v in out.metrics.items():
+                    totals[k] = totals.get(k, 0.0) + float(v) * c
+        model.train(was_training)
+        return {f"eval/{k}": v / count for k, v in totals.items()}
+
+    def before_training(self, engine: Engine) -> None:
+        """Hook run after the engine exists and before the first step (e.g. precompute references)."""
+
+    # -- the run -----------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        total = steps_for(self.config, len(self.train_examples))
+        self.engine = Engine(self.model, self.config, self.callbacks, total_steps=total)
+        self.before_training(self.engine)
+        result = self.engine.fit(self.train_examples, self.collate, self.loss,
+                                 eval_fn=self.evaluate if self.eval_examples else None,
+                                 params={"algorithm": type(self).__name__})
+        if self.config.output_dir and self.engine.is_main:
+            final = save_pretrained_atomic(self.engine.unwrapped, self.tokenizer, Path(self.config.output_dir) / FINAL_MODEL_DIR)
+            result.output_dir = str(final)
+        self.engine.accelerator.wait_for_everyone()
+        return result
+
+    def save_model(self, path: str | os.PathLike) -> Path:
+        model = self.engine.unwrapped if self.engine else self.model
+        return save_pretrained_atomic(model, self.tokenizer, path)

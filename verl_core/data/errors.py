@@ -1,0 +1,2 @@
+class DataError(ValueError):
+    """Input data that cannot be used; the message names the row and field."""

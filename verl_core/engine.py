@@ -1,0 +1,333 @@
+"""The one training loop every algorithm uses.
+
+An algorithm supplies ``loss_fn(model, micro_batch) -> LossOutput``: the *sum* of its
+loss over the units it counts (tokens for SFT, pairs for DPO, ...) and that count.
+The engine sums gradients over micro-batches and processes and divides once by the
+global count, so 4 micro-batches × 4 equals 1 × 16 and N processes equal one.
+
+Data order is a pure function of (seed, step): step ``s`` reads the ``s``-th global
+batch of a seeded permutation per epoch. A checkpoint therefore needs no data-loader
+state, and resume is exact: model, optimizer, scheduler, RNG states and step.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+from pydantic import Field, model_validator
+
+from verl_core.callbacks import Callback
+from verl_core.config import StrictConfig
+
+log = logging.getLogger("verl_core")
+CHECKPOINT_PREFIX = "step-"
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite loss, too little data, ...)."""
+
+
+class TrainConfig(StrictConfig):
+    """Optimisation settings shared by every algorithm."""
+
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    max_steps: int | None = Field(None, ge=1)
+    num_epochs: float | None = Field(None, gt=0)
+    batch_size: int = Field(16, ge=1, description="global batch per optimizer step: all processes and micro-batches")
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    max_grad_norm: float | None = 1.0
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    gradient_checkpointing: bool = False
+    offload_optimizer: bool = Field(False, description="DeepSpeed ZeRO optimizer offload under `accelerate launch` with a DeepSpeed config; no effect in one CPU process")
+    seed: int = 0
+    output_dir: str | None = None
+    save_steps: int | None = Field(None, ge=1)
+    save_total_limit: int = Field(2, ge=1)
+    resume: bool = True
+    logging_steps: int = Field(10, ge=1)
+    eval_steps: int | None = Field(None, ge=1)
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _one_length(self):
+        if self.max_steps is None and self.num_epochs is None:
+            self.__dict__["num_epochs"] = 1.0
+        return self
+
+
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor
+    count: float | torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+LossFn = Callable[[torch.nn.Module, Any], LossOutput]
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    metrics: dict[str, float]
+    history: dict[str, list[tuple[int, float]]]
+    output_dir: str | None = None
+
+
+class _Progress:
+    """Step counter registered with accelerate so it is saved and restored with the checkpoint."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+
+
+def micro_batch_indices(n_rows: int, step: int, batch_size: int, seed: int, rank: int, world: int, accum: int) -> list[list[int]]:
+    """Row indices of this process's micro-batches for optimizer step ``step`` (0-based)."""
+    per_epoch = n_rows // batch_size
+    epoch, k = divmod(step, per_epoch)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(n_rows, generator=gen)[k * batch_size:(k + 1) * batch_size].tolist()
+    per_rank = batch_size // world
+    mine = order[rank * per_rank:(rank + 1) * per_rank]
+    micro = per_rank // accum
+    return [mine[i * micro:(i + 1) * micro] for i in range(accum)]
+
+
+class Engine:
+    """Owns the model's optimisation: accelerate, optimizer, schedule, checkpoints, metrics."""
+
+    def __init__(self, model: torch.nn.Module, config: TrainConfig, callbacks: Sequence[Callback] = (),
+                 total_steps: int | None = None):
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.config = config
+        self.callbacks = list(callbacks)
+        self.accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available(),
+                                       step_scheduler_with_optimizer=False)
+        set_seed(config.seed)
+        world, accum = self.accelerator.num_processes, config.gradient_accumulation_steps
+        if config.batch_size % (world * accum):
+            raise TrainingError(f"batch_size {config.batch_size} is not divisible by processes ({world}) × gradient_accumulation_steps ({accum})")
+        if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable") and not getattr(model, "is_gradient_checkpointing", False):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise TrainingError("model has no trainable parameters")
+        optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=config.adam_betas, weight_decay=config.weight_decay)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.total_steps = total_steps or config.max_steps or 1
+        self.scheduler = self._scheduler()
+        self.progress = _Progress()
+        self.accelerator.register_for_checkpointing(self.scheduler, self.progress)
+        self.params = params
+
+    # -- schedule ---------------------------------------------------------------------------
+    def _scheduler(self):
+        from transformers import get_scheduler
+
+        return get_scheduler(self.config.lr_scheduler if self.config.lr_scheduler != "constant" else "constant_with_warmup",
+                             self.optimizer, num_warmup_steps=self.config.warmup_steps, num_training_steps=self.total_steps)
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def unwrapped(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    # -- one optimizer step -----------------------------------------------------------------
+    def optimizer_step(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:
+        """Accumulate gradients over ``micro_batches`` (this process's share), then step once."""
+        acc = self.accelerator
+        self.model.train()
+        total_count = torch.zeros((), dtype=torch.float64)
+        weighted: dict[str, float] = {}
+        loss_sum = 0.0
+        for i, mb in enumerate(micro_batches):
+            sync = i == len(micro_batches) - 1
+            ctx = acc.no_sync(self.model) if not sync and acc.num_processes > 1 else _null()
+            with ctx:
+                out = loss_fn(self.model, _to_device(mb, acc.device))
+                if not torch.isfinite(out.loss_sum.detach()):
+                    raise TrainingError(f"non-finite loss ({out.loss_sum.item()}) at step {self.step + 1}, micro-batch {i}; "
+                                        "lower the learning rate or check the data; nothing was saved for this step")
+                acc.backward(out.loss_sum)
+            count = float(out.count)
+            total_count += count
+            loss_sum += float(out.loss_sum.detach())
+            for k, v in out.metrics.items():
+                weighted[k] = weighted.get(k, 0.0) + float(v) * count
+        stats = torch.tensor([total_count.item(), loss_sum] + [weighted[k] for k in sorted(weighted)], dtype=torch.float64, device=acc.device)
+        stats = acc.reduce(stats, reduction="sum") if acc.num_processes > 1 else stats
+        global_count = stats[0].item()
+        if global_count <= 0:
+            raise TrainingError(f"step {self.step + 1}: the batch has nothing to learn from (count 0); check masks and data")
+        # DDP averaged gradients over processes; turn that into a sum over the global batch / global count.
+        scale = acc.num_processes / global_count
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        grad_norm = float("nan")
+        if self.config.max_grad_norm is not None:
+            grad_norm = float(acc.clip_grad_norm_(self.params, self.config.max_grad_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.step += 1
+        metrics = {"loss": stats[1].item() / global_count, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm}
+        metrics.update({k: stats[2 + j].item() / global_count for j, k in enumerate(sorted(weighted))})
+        return metrics
+
+    # -- the offline loop -------------------------------------------------------------------
+    def fit(self, examples: Sequence[Any], collate: Callable[[list], Any], loss_fn: LossFn,
+            eval_fn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+            params: dict[str, Any] | None = None) -> TrainResult:
+        """Train on ``examples`` (a list of tokenized rows) for the configured steps/epochs."""
+        from tqdm.auto import tqdm
+
+        from verl_core.callbacks import HistoryCallback
+
+        cfg, acc = self.config, self.accelerator
+        if len(examples) < cfg.batch_size:
+            raise TrainingError(f"dataset has {len(examples)} rows, fewer than batch_size {cfg.batch_size}")
+        history = HistoryCallback()
+        callbacks = self.callbacks + [history]
+        self.maybe_resume()
+        for cb in callbacks:
+            cb.on_train_begin({**cfg.model_dump(), **(params or {})})
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), desc="train", dynamic_ncols=True)
+        last: dict[str, float] = {}
+        window: list[dict[str, float]] = []
+        status = "FAILED"
+        try:
+            while self.step < self.total_steps:
+                idx = micro_batch_indices(len(examples), self.step, cfg.batch_size, cfg.seed, acc.process_index, acc.num_processes, cfg.gradient_accumulation_steps)
+                metrics = self.optimizer_step([collate([examples[i] for i in mb]) for mb in idx], loss_fn)
+                window.append(metrics)
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+                if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
+                    last = {k: sum(m[k] for m in window) / len(window) for k in window[0]}
+                    window = []
+                    if eval_fn is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0:
+                        last.update(eval_fn(self.unwrapped))
+                    self._log(callbacks, last)
+                if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
+                    self.save_checkpoint()
+                for cb in callbacks:
+                    cb.on_step_end(self.step)
+            if eval_fn is not None:
+                final_eval = eval_fn(self.unwrapped)
+                last.update(final_eval)
+                self._log(callbacks, final_eval)
+            status = "FINISHED"
+        finally:
+            bar.close()
+            for cb in callbacks:
+                cb.on_train_end(status, last)
+        return TrainResult(steps=self.step, metrics=last, history=history.history, output_dir=cfg.output_dir)
+
+    def _log(self, callbacks, metrics: dict[str, float]) -> None:
+        if self.is_main:
+            for cb in callbacks:
+                cb.on_log(self.step, metrics)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> Path | None:
+        return Path(self.config.output_dir) / "checkpoints" if self.config.output_dir else None
+
+    def save_checkpoint(self) -> Path | None:
+        """Write ``checkpoints/step-N`` atomically: a temporary folder renamed when complete."""
+        root = self.checkpoint_root
+        if root is None:
+            return None
+        acc = self.accelerator
+        final = root / f"{CHECKPOINT_PREFIX}{self.step:08d}"
+        tmp = root / f".tmp-{CHECKPOINT_PREFIX}{self.step:08d}"
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp), safe_serialization=True)
+        acc.wait_for_everyone()
+        if self.is_main:
+            (tmp / "engine_state.json").write_text(json.dumps({"step": self.step, "total_steps": self.total_steps}))
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+            for old in sorted(root.glob(f"{CHECKPOINT_PREFIX}*"))[: -self.config.save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+        acc.wait_for_everyone()
+        for cb in self.callbacks:
+            cb.on_checkpoint(self.step, str(final))
+        return final
+
+    def latest_checkpoint(self) -> Path | None:
+        root = self.checkpoint_root
+        if root is None or not root.is_dir():
+            return None
+        done = sorted(p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if (p / "engine_state.json").is_file())
+        return done[-1] if done else None
+
+    def maybe_resume(self) -> int:
+        """Restore the latest complete checkpoint (when ``resume``); returns the step reached."""
+        ckpt = self.latest_checkpoint() if self.config.resume else None
+        if ckpt is None:
+            return 0
+        state = json.loads((ckpt / "engine_state.json").read_text())
+        if state["total_steps"] != self.total_steps:
+            raise TrainingError(f"checkpoint {ckpt} was made for {state['total_steps']} total steps, this run has {self.total_steps}; "
+                                "use a new output_dir or set resume=False")
+        self.accelerator.load_state(str(ckpt))
+        log.info("resumed from %s at step %d", ckpt, self.step)
+        return self.step
+
+    def clear_checkpoints(self) -> None:
+        if self.checkpoint_root is not None and self.is_main:
+            shutil.rmtree(self.checkpoint_root, ignore_errors=True)
+
+
+def steps_for(config: TrainConfig, n_rows: int) -> int:
+    if config.max_steps is not None:
+        return config.max_steps
+    per_epoch = n_rows // config.batch_size
+    if per_epoch == 0:
+        raise TrainingError(f"dataset has {n_rows} rows, fewer than batch_size {config.batch_size}")
+    return max(1, math.ceil(per_epoch * config.num_epochs))
+
+
+def _to_device(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,55 @@
+"""Per-token log-probs and entropy from logits, one chunk of rows at a time.
+
+A full ``log_softmax`` over the vocabulary in fp32 costs ``B·T·V·4`` bytes; here only
+one chunk of rows is ever upcast, and only the log-normaliser is kept:
+``log p(x_t) = z[x_t] - logsumexp(z)``.
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK_ROWS = 2048
+
+
+def selected_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+    """``log softmax(logits)[..., labels]`` for logits ``[..., V]`` and labels ``[...]``."""
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1)
+    out = []
+    for start in range(0, flat_logits.shape[0], chunk_rows):
+        z = flat_logits[start:start + chunk_rows].float()
+        y = flat_labels[start:start + chunk_rows]
+        out.append(z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1))
+    return torch.cat(out).reshape(labels.shape)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+    """``H = logsumexp(z) - Σ softmax(z)·z`` per position."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = []
+    for start in range(0, flat.shape[0], chunk_rows):
+        z = flat[start:start + chunk_rows].float()
+        out.append(torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1))
+    return torch.cat(out).reshape(logits.shape[:-1])
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Log-prob of each input token given the ones before it, aligned with ``input_ids``.
+
+    Position ``t`` holds ``log p(x_t | x_<t)``; position 0 has no context and is 0,
+    so masks over ``input_ids`` (e.g. ``loss_mask``) apply unchanged.
+    """
+    lp = selected_logprobs(logits[:, :-1], input_ids[:, 1:])
+    return torch.nn.functional.pad(lp, (1, 0))
+
+
+def model_token_logprobs(model, batch: dict[str, torch.Tensor], with_entropy: bool = False):
+    """Forward ``model`` on a collated batch; per-token log-probs aligned with ``input_ids``."""
+    kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if "position_ids" in batch:
+        kwargs["position_ids"] = batch["position_ids"]
+    logits = model(**kwargs, use_cache=False).logits
+    lp = token_logprobs(logits, batch["input_ids"])
+    if not with_entropy:
+        return lp
+    return lp, torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0))

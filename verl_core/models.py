@@ -1,0 +1,131 @@
+"""Load policy, reference, critic and reward models from a local folder or a hub id."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from verl_core.config import StrictConfig
+
+DType = Literal["float32", "bfloat16", "float16"]
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer that cannot be loaded; the message says which and why."""
+
+
+class LoraSettings(StrictConfig):
+    """LoRA through peft (Hu et al. 2021, arXiv:2106.09685)."""
+
+    r: int = Field(8, ge=1)
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] | str = "all-linear"
+
+
+def _check_source(path: str | os.PathLike) -> str:
+    text = str(path)
+    if Path(text).expanduser().is_dir():
+        if not (Path(text).expanduser() / "config.json").is_file():
+            raise ModelLoadError(f"model folder {text} has no config.json; is it a save_pretrained folder?")
+        return str(Path(text).expanduser())
+    if text.startswith((".", "/", "~")) or Path(text).exists() or text.count("/") > 1:
+        raise ModelLoadError(f"model path does not exist: {text}")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ModelLoadError(f"{text!r} is not a local folder and hub downloads are off (HF_HUB_OFFLINE=1)")
+    return text
+
+
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    source = _check_source(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load tokenizer from {source}: {err}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _from_pretrained(auto_cls, path, dtype: DType, trust_remote_code: bool, **kwargs):
+    source = _check_source(path)
+    try:
+        return auto_cls.from_pretrained(source, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load {auto_cls.__name__} from {source}: {err}") from None
+
+
+def load_causal_lm(path: str | os.PathLike, dtype: DType = "float32", gradient_checkpointing: bool = False,
+                   lora: LoraSettings | None = None, trust_remote_code: bool = False, trainable: bool = True):
+    """A causal LM for a policy (``trainable=True``) or a frozen reference (``trainable=False``)."""
+    from transformers import AutoModelForCausalLM
+
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype, trust_remote_code)
+    return _prepare(model, gradient_checkpointing, lora, trainable, task_type="CAUSAL_LM")
+
+
+def load_reward_model(path: str | os.PathLike, dtype: DType = "float32", gradient_checkpointing: bool = False,
+                      lora: LoraSettings | None = None, trust_remote_code: bool = False, trainable: bool = True):
+    """A sequence classifier with one output (``num_labels=1``): the scalar reward at the last token.
+
+    Loading a causal LM folder adds a freshly initialised score head (seed it first).
+    """
+    from transformers import AutoModelForSequenceClassification
+
+    model = _from_pretrained(AutoModelForSequenceClassification, path, dtype, trust_remote_code, num_labels=1)
+    if model.config.pad_token_id is None:
+        raise ModelLoadError(f"{path}: the reward model needs config.pad_token_id to find each sequence's last token")
+    return _prepare(model, gradient_checkpointing, lora, trainable, task_type="SEQ_CLS")
+
+
+def _prepare(model, gradient_checkpointing: bool, lora: LoraSettings | None, trainable: bool, task_type: str):
+    if not trainable:
+        model.eval().requires_grad_(False)
+        return model
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                         target_modules=lora.target_modules, task_type=task_type)
+        model = get_peft_model(model, cfg)
+    model.train()
+    return model
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def save_pretrained_atomic(model, tokenizer, target: str | os.PathLike) -> Path:
+    """Write an HF folder under a temporary name, then rename it into place.
+
+    A LoRA model is merged into its base first, so the folder loads with plain
+    ``from_pretrained``. A crash mid-write leaves no folder at ``target``.
+    """
+    import shutil
+    import tempfile
+
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if is_peft(model):
+        model = model.merge_and_unload()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

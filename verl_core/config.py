@@ -19,6 +19,12 @@ class StrictConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise ConfigError(_describe(err, type(self).__name__, "arguments")) from None
+
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any], *, source: str = "config") -> T:
         try:

@@ -45,8 +45,9 @@ def make_problems(n: int, seed: int, max_operand: int = 20) -> list[Problem]:
 
 
 def wrong_answer(problem: Problem, rng: random.Random) -> int:
-    """A plausible wrong answer (off by a small amount), never the true one."""
-    delta = rng.choice([-3, -2, -1, 1, 2, 3, 10, -10])
+    """A wrong answer off by 3 to 12, never the true one (near misses of 1 are too subtle
+    for a reward model of the default size to learn in a CPU minute)."""
+    delta = rng.choice([-1, 1]) * rng.randint(3, 12)
     return problem.answer + delta if problem.answer + delta >= 0 else problem.answer - delta
 
 

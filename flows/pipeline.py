@@ -1,0 +1,154 @@
+"""Prefect flows: the RLHF pipeline and one flow per stage.
+
+The flow parameter is the pydantic :class:`PipelineConfig` (the same object
+``configs/default.yaml`` loads into), so the Prefect UI shows it as a form.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow
+from prefect.artifacts import create_table_artifact
+from pydantic import BaseModel, Field
+
+from tasks import TASKS
+from tasks.common import configured
+from verl_core import stages, tracking
+from verl_core.pipeline_config import STAGE_ORDER, PipelineConfig
+from verl_core.stages import StageRecord
+
+
+class PipelineResult(BaseModel):
+    """Records of every stage, how each was obtained (Completed / Cached / Given / Skipped) and the MLflow parent run."""
+
+    records: dict[str, StageRecord | None] = Field(default_factory=dict)
+    states: dict[str, str] = Field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    tracking_uri: str | None = None
+    flow_run_id: str | None = None
+
+    @property
+    def evaluation_table(self) -> list[dict]:
+        rec = self.records.get("evaluation")
+        if rec is None:
+            return []
+        import json
+
+        return json.loads((Path(rec.output_path) / "results.json").read_text())["table"]
+
+
+class PipelineRun:
+    """One run of (part of) the pipeline: the MLflow parent run and the records so far.
+
+    ``stage(name)`` returns the stage's record: given by the config, or computed by its
+    task after resolving the stage's inputs the same way (so a stage flow pulls in just
+    the upstream it needs, from the cache when it was computed before).
+    """
+
+    def __init__(self, config: PipelineConfig, flow_name: str):
+        self.config, self.flow_name = config, flow_name
+        self.result = PipelineResult()
+
+    def __enter__(self) -> "PipelineRun":
+        from prefect.runtime import flow_run
+
+        self.result.flow_run_id = flow_run.id
+        self.result.tracking_uri = tracking.configure(self.config)
+        self.result.mlflow_run_id = tracking.start_pipeline_run(self.config, self.flow_name, flow_run.id)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        status = "FAILED" if exc_type else "FINISHED"
+        tags = {f"stage.{k}.state": v for k, v in self.result.states.items()}
+        tags.update({f"stage.{k}.mlflow_run_id": r.mlflow_run_id for k, r in self.result.records.items() if r and r.mlflow_run_id})
+        tracking.end_run(self.config, self.result.mlflow_run_id, status, tags)
+        if not exc_type:
+            self._publish_summary()
+        return False
+
+    def stage(self, name: str) -> StageRecord | None:
+        if name in self.result.records:
+            return self.result.records[name]
+        record, state = stages.given_record(self.config, name), "Given"
+        if record is None and not stages.stage_enabled(self.config, name):
+            state = "Skipped"
+        elif record is None:
+            spec = stages.stage_for(self.config, name)
+            inputs = {i: self.stage(i) for i in spec.input_names(self.config) + spec.optional}
+            record, state = self._run_task(name, inputs)
+        self.result.records[name], self.result.states[name] = record, state
+        return record
+
+    def _run_task(self, name: str, inputs: dict[str, StageRecord | None]) -> tuple[StageRecord, str]:
+        task = configured(TASKS[name], self.config)
+        state = task(self.config, inputs, parent_run_id=self.result.mlflow_run_id, return_state=True)
+        record = state.result()  # re-raises the task's exception
+        if state.is_completed() and state.name == "Cached" and not Path(record.output_path).exists():
+            # The cache record outlived its output folder: compute it again.
+            state = task.with_options(refresh_cache=True)(self.config, inputs, parent_run_id=self.result.mlflow_run_id, return_state=True)
+            record = state.result()
+        return record, state.name
+
+    def _publish_summary(self) -> None:
+        rows = [{"stage": k, "state": self.result.states[k], "fingerprint": (r.fingerprint[:12] if r else ""),
+                 "output": (r.output_path if r else ""), "mlflow_run_id": (r.mlflow_run_id or "" if r else "")}
+                for k, r in self.result.records.items()]
+        create_table_artifact(rows, key=f"{self.flow_name}-stages", description="stage states of this run")
+
+
+def run_pipeline(config: PipelineConfig, flow_name: str, until: str | None = None) -> PipelineResult:
+    """All stages in order (or just ``until`` and what it needs)."""
+    with PipelineRun(config, flow_name) as run:
+        if until is not None:
+            run.stage(until)
+        else:
+            run.stage("sft")                  # base model + SFT data -> SFT policy   (given: sft.model_path)
+            run.stage("preference_data")      # prompts -> (prompt, chosen, rejected) (given: preference_data.path)
+            run.stage("reward_model")         # pairs -> Bradley-Terry reward model   (given: reward_model.model_path)
+            run.stage("policy_optimisation")  # SFT policy -> final policy            (policy_optimisation.algorithm)
+            run.stage("evaluation")           # final vs SFT policy; register the final policy
+    return run.result
+
+
+DEFAULT_CONFIG = PipelineConfig()
+
+
+@flow(name="rlhf-pipeline")
+def rlhf_pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
+    """SFT -> preference data -> reward model -> policy optimisation -> evaluation."""
+    return run_pipeline(config, "rlhf-pipeline")
+
+
+@flow(name="stage-sft")
+def sft_flow(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
+    return run_pipeline(config, "stage-sft", until="sft")
+
+
+@flow(name="stage-preference-data")
+def preference_data_flow(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
+    return run_pipeline(config, "stage-preference-data", until="preference_data")
+
+
+@flow(name="stage-reward-model")
+def reward_model_flow(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
+    return run_pipeline(config, "stage-reward-model", until="reward_model")
+
+
+@flow(name="stage-policy-optimisation")
+def policy_optimisation_flow(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
+    return run_pipeline(config, "stage-policy-optimisation", until="policy_optimisation")
+
+
+@flow(name="stage-evaluation")
+def evaluation_flow(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
+    return run_pipeline(config, "stage-evaluation", until="evaluation")
+
+
+STAGE_FLOWS = {
+    "sft": sft_flow,
+    "preference_data": preference_data_flow,
+    "reward_model": reward_model_flow,
+    "policy_optimisation": policy_optimisation_flow,
+    "evaluation": evaluation_flow,
+}
+assert set(STAGE_FLOWS) == set(STAGE_ORDER)

@@ -1,0 +1,130 @@
+"""Stage functions without Prefect: config, records, fingerprints, cache keys, skipping, reuse."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verl_core.config import ConfigError
+from verl_core.pipeline_config import PipelineConfig, load_pipeline_config
+from verl_core.stages import (
+    STAGES,
+    StageRecord,
+    fingerprint_path,
+    given_record,
+    run_stage,
+    stage_dir,
+    stage_enabled,
+    stage_for,
+    stage_key,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _record(stage: str, fp: str) -> StageRecord:
+    return StageRecord(stage=stage, output_path=f"/x/{stage}", fingerprint=fp)
+
+
+def _inputs(**fps: str) -> dict[str, StageRecord]:
+    base = {"base": "b0", "sft": "s0", "preference_data": "p0", "reward_model": "r0"}
+    base.update(fps)
+    return {k: _record(k, v) for k, v in base.items()}
+
+
+def test_default_yaml_loads_into_the_pipeline_config_and_matches_its_defaults():
+    from_yaml = load_pipeline_config(ROOT / "configs" / "default.yaml")
+    assert from_yaml == PipelineConfig()
+
+
+def test_dotted_overrides_are_typed_and_unknown_keys_rejected():
+    cfg = load_pipeline_config(ROOT / "configs" / "default.yaml", ["sft.max_steps=7", "sft.model_path=null", "reward_model.enabled=false"])
+    assert cfg.sft.max_steps == 7 and cfg.sft.model_path is None and cfg.reward_model.enabled is False
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_pipeline_config(None, ["sft.max_stepz=7"])
+
+
+def test_an_algorithm_that_is_not_wired_yet_is_a_clear_config_error():
+    with pytest.raises(ConfigError, match="not wired into the pipeline yet"):
+        load_pipeline_config(None, ["policy_optimisation.algorithm=dpo"])
+
+
+def test_stage_record_round_trips_through_json():
+    rec = StageRecord(stage="sft", output_path="/a/model", fingerprint="f" * 64, metrics={"loss": 0.5},
+                      mlflow_run_id="abc", cache_key="k", extra={"steps": 3})
+    assert StageRecord.model_validate_json(rec.model_dump_json()) == rec
+
+
+def test_fingerprint_depends_on_file_contents_and_names_only(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        (d / "sub").mkdir(parents=True)
+        (d / "x.txt").write_text("one")
+        (d / "sub" / "y.bin").write_bytes(b"\x00\x01")
+    assert fingerprint_path(a) == fingerprint_path(b)
+    (b / "x.txt").write_text("two")
+    assert fingerprint_path(a) != fingerprint_path(b)
+    assert len(fingerprint_path(a / "x.txt")) == 64
+
+
+def test_cache_key_changes_with_own_config_and_inputs_but_not_with_volatile_fields_or_run_ids():
+    cfg = PipelineConfig()
+    k = stage_key(cfg, "reward_model", _inputs())
+    assert stage_key(cfg, "reward_model", _inputs()) == k
+    assert stage_key(cfg.updated(reward_model={"learning_rate": 5e-4}), "reward_model", _inputs()) != k
+    assert stage_key(cfg, "reward_model", _inputs(sft="s1")) != k  # upstream content changed
+    assert stage_key(cfg.updated(sft={"max_steps": 3}), "reward_model", _inputs()) == k  # only through the sft fingerprint
+    assert stage_key(cfg.updated(reward_model={"progress": False}), "reward_model", _inputs()) == k
+    rec = _inputs()
+    rec["sft"] = rec["sft"].model_copy(update={"mlflow_run_id": "another-run"})
+    assert stage_key(cfg, "reward_model", rec) == k
+
+
+def test_cache_key_of_a_local_data_file_follows_its_content(tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    cfg = PipelineConfig().updated(sft={"data": {"path": str(data)}})
+    k = stage_key(cfg, "sft", _inputs())
+    data.write_text(json.dumps({"prompt": "a", "completion": "c"}) + "\n")
+    assert stage_key(cfg, "sft", _inputs()) != k
+
+
+def test_output_folder_is_deterministic_from_the_key(tmp_path):
+    cfg = PipelineConfig(workdir=str(tmp_path))
+    key = stage_key(cfg, "sft", _inputs())
+    assert stage_dir(cfg, "sft", key) == stage_dir(cfg, "sft", stage_key(cfg, "sft", _inputs()))
+    assert stage_dir(cfg, "sft", key).parent == tmp_path / "stages"
+
+
+def test_given_outputs_skip_their_stage(tmp_path):
+    model = tmp_path / "my-sft"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg = load_pipeline_config(None, [f"sft.model_path={model}", "reward_model.enabled=false"])
+    rec = given_record(cfg, "sft")
+    assert rec.given and rec.output_path == str(model) and rec.fingerprint == fingerprint_path(model)
+    assert given_record(cfg, "preference_data") is None
+    assert not stage_enabled(cfg, "reward_model") and not stage_enabled(cfg, "policy_optimisation")
+
+
+def test_registry_dispatches_variants_by_the_selector_field():
+    cfg = PipelineConfig()
+    assert stage_for(cfg, "preference_data").name == "preference_data:bundled"
+    assert stage_for(cfg, "sft").name == "sft"
+    assert {"sft", "reward_model", "evaluation", "preference_data:bundled"} <= set(STAGES)
+
+
+def test_bundled_preference_stage_writes_pairs_and_reuses_a_complete_output(tmp_path):
+    cfg = load_pipeline_config(None, [f"workdir={tmp_path}", "preference_data.num_prompts=8"])
+    first = run_stage(cfg, "preference_data", {})
+    rows = [json.loads(line) for line in (Path(first.record.output_path) / "pairs.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and {"prompt", "chosen", "rejected"} <= set(rows[0])
+    assert first.record.metrics["pairs"] == 8 and not first.reused
+    again = run_stage(cfg, "preference_data", {})
+    assert again.reused and again.record == first.record
+
+
+def test_missing_required_input_is_reported():
+    with pytest.raises(ConfigError, match="needs the output of 'preference_data'"):
+        run_stage(PipelineConfig(), "reward_model", {"sft": _record("sft", "s")})

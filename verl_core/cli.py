@@ -1,0 +1,219 @@
+"""``verl-core``: run the pipeline, one stage, or the local Prefect + MLflow servers.
+
+    verl-core run   [--config configs/default.yaml] [--set sft.max_steps=150 ...]
+    verl-core stage sft|preference_data|reward_model|policy_optimisation|evaluation [--config ...] [--set ...]
+    verl-core servers [--prefect-port 4200] [--mlflow-port 5000] [--workdir runs]
+    verl-core config [--config ...] [--set ...]        # print the resolved config
+
+Prefect and the flows are imported inside the commands, so importing the kernel never
+imports Prefect.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Sequence
+
+from verl_core.config import ConfigError
+from verl_core.pipeline_config import STAGE_ORDER, PipelineConfig, load_pipeline_config
+
+DEFAULT_CONFIG = Path("configs/default.yaml")
+
+
+def _config(args) -> PipelineConfig:
+    path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
+    return load_pipeline_config(path, list(args.set or []))
+
+
+def _quiet_defaults() -> None:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # busy laptops start it slowly
+
+
+def format_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)"
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[f"{r.get(k, ''):.4f}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(keys), line(["-" * w for w in widths])] + [line(c) for c in cells])
+
+
+def ui_locations(config: PipelineConfig) -> list[str]:
+    from verl_core import tracking
+
+    api = os.environ.get("PREFECT_API_URL")
+    prefect = (f"Prefect UI:  {api.rstrip('/').removesuffix('/api')}" if api else
+               "Prefect UI:  (this run used a temporary local API) start persistent UIs with `verl-core servers`")
+    uri = tracking.tracking_uri(config)
+    mlflow = (f"MLflow UI:   {uri}" if uri.startswith("http") else
+              f"MLflow UI:   mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000  (then {tracking.ui_url(config)})")
+    return [prefect, mlflow, f"MLflow store: {uri}  experiment: {config.tracking.experiment}"]
+
+
+def _report(result, config: PipelineConfig) -> None:
+    print("\nstages:")
+    print(format_table([{"stage": k, "state": v, "output": (result.records[k].output_path if result.records.get(k) else "")}
+                        for k, v in result.states.items()]))
+    if result.records.get("evaluation"):
+        print("\nevaluation (held-out):")
+        print(format_table(result.evaluation_table))
+    print()
+    for line in ui_locations(config):
+        print(line)
+
+
+def cmd_run(args) -> int:
+    _quiet_defaults()
+    config = _config(args)
+    from flows import rlhf_pipeline
+
+    _report(rlhf_pipeline(config), config)
+    return 0
+
+
+def cmd_stage(args) -> int:
+    _quiet_defaults()
+    config = _config(args)
+    from flows import STAGE_FLOWS
+
+    _report(STAGE_FLOWS[args.name](config), config)
+    return 0
+
+
+def cmd_config(args) -> int:
+    import yaml
+
+    print(yaml.safe_dump(_config(args).model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+# -- local servers --------------------------------------------------------------------------
+def launch(cmd: Sequence[str], env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
+    """Start ``cmd`` in its own process group (so :func:`stop` can end it and its children)."""
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    return subprocess.Popen(list(cmd), env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_http(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status < 500:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
+
+
+def stop(proc: subprocess.Popen, grace: float = 10) -> None:
+    """SIGTERM the process group, then SIGKILL it after ``grace`` seconds (Prefect workers ignore SIGTERM)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=grace)
+    except ProcessLookupError:
+        pass
+
+
+def server_commands(workdir: Path, prefect_port: int, mlflow_port: int) -> dict[str, tuple[list[str], dict[str, str], str]]:
+    """Command, environment and health URL of the Prefect server and the MLflow server, both on 127.0.0.1."""
+    bin_dir = Path(sys.executable).parent
+    prefect_env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                   "PREFECT_UI_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+                   "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api"}
+    return {
+        "prefect": ([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+                    prefect_env, f"http://127.0.0.1:{prefect_port}/api/health"),
+        "mlflow": ([str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
+                    "--backend-store-uri", f"sqlite:///{workdir / 'mlflow-server.db'}",
+                    "--artifacts-destination", str(workdir / "mlflow-server-artifacts")],
+                   {}, f"http://127.0.0.1:{mlflow_port}/health"),
+    }
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def cmd_servers(args) -> int:
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the servers too
+    procs = {}
+    try:
+        for name, (cmd, env, health) in server_commands(workdir, args.prefect_port, args.mlflow_port).items():
+            procs[name] = launch(cmd, env, workdir / f"{name}-server.log")
+        for name, (_, _, health) in server_commands(workdir, args.prefect_port, args.mlflow_port).items():
+            wait_http(health, timeout=180, proc=procs[name])
+        print(f"Prefect UI:  http://127.0.0.1:{args.prefect_port}")
+        print(f"MLflow UI:   http://127.0.0.1:{args.mlflow_port}")
+        print("In another shell:")
+        print(f"  export PREFECT_API_URL=http://127.0.0.1:{args.prefect_port}/api")
+        print(f"  export MLFLOW_TRACKING_URI=http://127.0.0.1:{args.mlflow_port}")
+        print("  verl-core run")
+        print(f"logs: {workdir}/*-server.log   (Ctrl-C stops both)", flush=True)
+        while all(p.poll() is None for p in procs.values()):
+            time.sleep(1)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for p in procs.values():
+            stop(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verl-core", description="LLM post-training pipeline (Prefect + MLflow)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def config_args(p):
+        p.add_argument("--config", type=Path, default=None, help=f"YAML config (default: {DEFAULT_CONFIG} if present)")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. --set sft.max_steps=150")
+
+    p = sub.add_parser("run", help="run the whole pipeline")
+    config_args(p)
+    p.set_defaults(fn=cmd_run)
+    p = sub.add_parser("stage", help="run one stage (and whatever it needs that is not given or cached)")
+    p.add_argument("name", choices=STAGE_ORDER)
+    config_args(p)
+    p.set_defaults(fn=cmd_stage)
+    p = sub.add_parser("config", help="print the resolved config")
+    config_args(p)
+    p.set_defaults(fn=cmd_config)
+    p = sub.add_parser("servers", help="start local Prefect and MLflow servers on 127.0.0.1")
+    p.add_argument("--prefect-port", type=int, default=4200)
+    p.add_argument("--mlflow-port", type=int, default=5000)
+    p.add_argument("--workdir", default="runs/servers")
+    p.set_defaults(fn=cmd_servers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as err:
+        print(f"verl-core: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

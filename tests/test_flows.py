@@ -31,7 +31,7 @@ def tiny_config(tmp: Path, *overrides: str) -> PipelineConfig:
         f"workdir={tmp / 'work'}", f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}",
         "sft.max_steps=150", "sft.batch_size=16", "sft.save_steps=50", "sft.progress=false",
         "reward_model.max_steps=60", "reward_model.save_steps=20", "reward_model.progress=false",
-        "preference_data.num_prompts=256", "evaluation.num_rows=100", "orchestration.retry_delay_seconds=1",
+        "preference_data.num_prompts=256", "evaluation.num_rows=64", "orchestration.retry_delay_seconds=1",
         *overrides])
 
 
@@ -138,7 +138,7 @@ def test_injected_fault_is_retried_and_the_retry_resumes_from_the_checkpoint(fir
 
     cfg, _, _ = first
     monkeypatch.setenv(FAULT_ENV, "reward_model")  # raises once, right after the step-20 checkpoint
-    result = rlhf_pipeline(cfg.updated(reward_model={**cfg.reward_model.model_dump(), "seed": 1}))
+    result = rlhf_pipeline(cfg.updated(reward_model={**cfg.reward_model.model_dump(), "seed": 1, "max_steps": 40}))
     assert [result.states[s] for s in TRAINED] == ["Cached", "Cached", "Completed", "Completed"]
     assert result.records["reward_model"].extra["resumed_from_step"] == 20
     assert task_runs(result.flow_run_id)["reward_model"].run_count == 2
@@ -150,7 +150,7 @@ def test_killed_stage_resumes_on_rerun_and_ends_like_an_uninterrupted_run(first,
     from flows import reward_model_flow  # the stage's own flow: pulls cached SFT + pairs, no evaluation
 
     cfg, first_result, _ = first
-    cfg = cfg.updated(reward_model={**cfg.reward_model.model_dump(), "seed": 2},
+    cfg = cfg.updated(reward_model={**cfg.reward_model.model_dump(), "seed": 2, "max_steps": 40},
                       orchestration={**cfg.orchestration.model_dump(), "retries": 0})
     monkeypatch.setenv(FAULT_ENV, "reward_model")  # the "kill": an exception after the first checkpoint, no retry
     state = reward_model_flow(cfg, return_state=True)

@@ -128,3 +128,25 @@ def test_bundled_preference_stage_writes_pairs_and_reuses_a_complete_output(tmp_
 def test_missing_required_input_is_reported():
     with pytest.raises(ConfigError, match="needs the output of 'preference_data'"):
         run_stage(PipelineConfig(), "reward_model", {"sft": _record("sft", "s")})
+
+
+def test_a_change_of_the_bundled_task_changes_the_key_of_stages_that_read_it(monkeypatch):
+    from verl_core import arithmetic
+
+    cfg = PipelineConfig()
+    before = {name: stage_key(cfg, name, _inputs()) for name in ("sft", "preference_data", "evaluation", "reward_model")}
+    real = arithmetic.preference_rows
+    monkeypatch.setattr(arithmetic, "preference_rows", lambda problems, seed=0: real(problems, seed + 1))
+    after = {name: stage_key(cfg, name, _inputs()) for name in before}
+    assert [name for name in before if before[name] != after[name]] == ["preference_data"]
+
+
+def test_a_given_final_policy_enables_the_policy_stage_as_given_output(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    cfg = load_pipeline_config(None, [f"policy_optimisation.model_path={tmp_path}"])
+    assert stage_enabled(cfg, "policy_optimisation")
+    rec = given_record(cfg, "policy_optimisation")
+    assert rec.given and rec.stage == "policy_optimisation"
+    # the evaluation key follows which policy is final
+    inputs = _inputs()
+    assert stage_key(cfg, "evaluation", {**inputs, "policy_optimisation": rec}) != stage_key(cfg, "evaluation", inputs)

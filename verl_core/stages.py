@@ -109,6 +109,7 @@ class Stage:
     fn: Callable[[StageContext], StageOutput]
     inputs: tuple[str, ...] | Callable[[PipelineConfig], tuple[str, ...]] = ()
     optional: tuple[str, ...] = ()
+    bundled: Callable[[PipelineConfig], list[dict] | None] | None = None  # built-in rows it reads (hashed into the key)
 
     def input_names(self, config: PipelineConfig) -> tuple[str, ...]:
         return self.inputs(config) if callable(self.inputs) else self.inputs
@@ -117,13 +118,18 @@ class Stage:
 STAGES: dict[str, Stage] = {}
 
 
-def register_stage(name: str, *, version: str, inputs=(), optional: tuple[str, ...] = ()):
-    """Decorator: ``@register_stage("policy_optimisation:dpo", version="1", inputs=("sft", "preference_data"))``."""
+def register_stage(name: str, *, version: str, inputs=(), optional: tuple[str, ...] = (), bundled=None):
+    """Decorator: ``@register_stage("policy_optimisation:dpo", version="1", inputs=("sft", "preference_data"))``.
+
+    ``inputs``: upstream stages whose records it needs (a tuple, or a function of the config);
+    ``optional``: upstream stages it uses when present; ``bundled``: config -> the built-in rows
+    it reads, if any (their content enters the cache key, so a change of the bundled task reruns it).
+    """
 
     def deco(fn: Callable[[StageContext], StageOutput]):
         if name in STAGES:
             raise ValueError(f"stage {name!r} is already registered")
-        STAGES[name] = Stage(name, version, fn, inputs, optional)
+        STAGES[name] = Stage(name, version, fn, inputs, optional, bundled)
         return fn
 
     return deco
@@ -185,6 +191,10 @@ def section_for_key(config: PipelineConfig, name: str) -> dict[str, Any]:
     return dumped
 
 
+def rows_fingerprint(rows: list[dict] | None) -> str | None:
+    return None if rows is None else hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _data_fingerprints(section: Any) -> dict[str, str]:
     """Content fingerprints of local files named by DataSource fields (hub ids hash their name)."""
     out = {}
@@ -210,6 +220,7 @@ def stage_key(config: PipelineConfig, name: str, inputs: dict[str, StageRecord |
         "config": section_for_key(config, name),
         "data": _data_fingerprints(getattr(config, name)),
         "inputs": {k: (inputs[k].fingerprint if inputs.get(k) is not None else None) for k in sorted(used)},
+        "bundled": rows_fingerprint(stage.bundled(config)) if stage.bundled else None,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -311,9 +322,11 @@ def _fault_callbacks(name: str, out_dir: Path) -> list[Callback]:
 
 
 # -- helpers for stage functions ------------------------------------------------------------
-def load_data(source: DataSource, bundled: Callable[[int | None], list[dict]]) -> list[dict]:
-    """Rows of ``source``; the bundled split when it names no path."""
+def load_data(source: DataSource, bundled: Callable[[int | None], list[dict]] | None = None) -> list[dict]:
+    """Rows of ``source``; ``bundled(limit)`` when it names no path."""
     if source.path is None:
+        if bundled is None:
+            raise ConfigError("this data source needs a path")
         return bundled(source.limit)
     from verl_core.data import load_rows
 
@@ -348,20 +361,33 @@ def train_offline(ctx: StageContext, trainer_cls, settings: BaseModel, model: st
 
 
 # -- the stages -----------------------------------------------------------------------------
-@register_stage("sft", version="sft-1", inputs=("base",))
+def _bundled_sft(cfg: PipelineConfig) -> list[dict] | None:
+    return arithmetic.sft_rows(cfg.sft.data.limit or 2000) if cfg.sft.data.path is None else None
+
+
+def _bundled_pairs(cfg: PipelineConfig) -> list[dict]:
+    c = cfg.preference_data
+    return arithmetic.preference_rows(arithmetic.prompt_problems(c.num_prompts), seed=c.seed)
+
+
+def _bundled_eval(cfg: PipelineConfig) -> list[dict] | None:
+    c = cfg.evaluation
+    return arithmetic.eval_rows(c.data.limit or c.num_rows)[: c.num_rows] if c.data.path is None else None
+
+
+@register_stage("sft", version="sft-1", inputs=("base",), bundled=_bundled_sft)
 def sft_stage(ctx: StageContext) -> StageOutput:
     from verl_core.algorithms.sft import SFTTrainer
 
     c = ctx.section
-    rows = load_data(c.data, lambda n: arithmetic.sft_rows(n or 2000))
+    rows = _bundled_sft(ctx.config) or load_data(c.data, None)
     return train_offline(ctx, SFTTrainer, c, ctx.input_path("base"), rows,
                          datasets=[DatasetUse("sft-train", rows, "training", data_label(c.data, "sft"))])
 
 
-@register_stage("preference_data:bundled", version="pairs-1")
+@register_stage("preference_data:bundled", version="pairs-1", bundled=_bundled_pairs)
 def bundled_preference_stage(ctx: StageContext) -> StageOutput:
-    c = ctx.section
-    rows = arithmetic.preference_rows(arithmetic.prompt_problems(c.num_prompts), seed=c.seed)
+    rows = _bundled_pairs(ctx.config)
     data = ctx.output_dir / "data"
     data.mkdir(exist_ok=True)
     with open(data / "pairs.jsonl", "w") as fh:
@@ -395,10 +421,11 @@ def reward_model_stage(ctx: StageContext) -> StageOutput:
     return train_offline(ctx, RewardTrainer, c, ctx.input_path(c.init_from), train, eval_rows=held, datasets=uses)
 
 
-@register_stage("evaluation", version="eval-1", inputs=("base", "sft"), optional=("policy_optimisation", "reward_model"))
+@register_stage("evaluation", version="eval-1", inputs=("base", "sft"), optional=("policy_optimisation", "reward_model"),
+                bundled=_bundled_eval)
 def evaluation_stage(ctx: StageContext) -> StageOutput:
     c = ctx.section
-    rows = load_data(c.data, lambda n: arithmetic.eval_rows(n or c.num_rows))[: c.num_rows]
+    rows = (_bundled_eval(ctx.config) or load_data(c.data, None))[: c.num_rows]
     final = ctx.inputs.get("policy_optimisation") or ctx.inputs["sft"]
     policies = ([("base", ctx.inputs["base"])] if c.include_base else []) + [("sft", ctx.inputs["sft"]), ("final", final)]
     rm = ctx.inputs.get("reward_model")

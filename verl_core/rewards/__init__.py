@@ -1,1 +1,27 @@
-"""Reward functions: rule-based scorers of completions against ground truths."""
+"""Rewards: rule-based scorers (``rules``), reward-model scoring and user callables (``model``).
+
+``RewardSource`` combines them with weights; every source is checked and a failing one raises
+:class:`RewardError` naming the source and the sample.
+"""
+from verl_core.rewards.model import RewardModel, RewardScores, RewardSource, RewardSourceConfig
+from verl_core.rewards.rules import (
+    RULE_REWARDS,
+    RewardError,
+    RewardFn,
+    get_rule_reward,
+    register_rule_reward,
+    score_with_rules,
+)
+
+__all__ = [
+    "RULE_REWARDS",
+    "RewardError",
+    "RewardFn",
+    "RewardModel",
+    "RewardScores",
+    "RewardSource",
+    "RewardSourceConfig",
+    "get_rule_reward",
+    "register_rule_reward",
+    "score_with_rules",
+]

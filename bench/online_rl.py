@@ -1,0 +1,137 @@
+"""Online RL benchmark: does each algorithm raise held-out exact-match accuracy on the bundled task?
+
+    python bench/online_rl.py                       # SFT base built here, GRPO and PPO
+    python bench/online_rl.py --sft-path DIR --algorithms grpo,rloo,reinforce_pp,ppo --target 0.10
+
+For every algorithm: a fresh copy of the SFT policy is trained on ``arithmetic.prompt_rows``
+and scored with greedy ``answer_accuracy`` on ``arithmetic.eval_rows(--eval-rows)`` before and
+after. GRPO / RLOO / REINFORCE++ use the ``exact_match`` rule; PPO uses a reward model trained
+here with ``RewardTrainer`` (``--ppo-reward rule`` uses the rule instead). Prints a table
+(algorithm, before, after, delta, wall seconds) and exits 1 when an algorithm improves by less
+than ``--target``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Settings per algorithm (on top of the config defaults), tuned for the default tiny model on CPU.
+PRESETS: dict[str, dict] = {
+    "grpo": dict(learning_rate=1e-4, batch_size=128, num_generations=8, max_steps=40),
+    "rloo": dict(learning_rate=1e-4, batch_size=128, num_generations=8, max_steps=40),
+    "reinforce_pp": dict(learning_rate=1e-4, batch_size=128, num_generations=8, max_steps=40),
+    "ppo": dict(learning_rate=1e-4, batch_size=128, num_generations=8, mini_batch_size=64, ppo_epochs=2, max_steps=40, kl_coef=0.05),
+}
+COMMON = dict(mixed_precision="bf16", max_new_tokens=24, progress=False, logging_steps=10, seed=0)
+
+
+def build_sft(out: Path, steps: int) -> Path:
+    from verl_core import arithmetic
+    from verl_core.algorithms.sft import SFTTrainer
+    from verl_core.tiny import tiny_model_path
+
+    SFTTrainer(str(tiny_model_path()), train_dataset=arithmetic.sft_rows(2000), max_steps=steps, batch_size=32,
+               learning_rate=3e-3, warmup_steps=20, mixed_precision="bf16", output_dir=str(out), progress=False,
+               logging_steps=100).train()
+    return out / "model"
+
+
+def build_reward_model(base: Path, out: Path, steps: int) -> Path:
+    from verl_core import arithmetic
+    from verl_core.algorithms.reward_model import RewardTrainer
+    from verl_core.evaluation import reward_model_accuracy
+    from verl_core.models import load_reward_model, load_tokenizer
+
+    rows = arithmetic.preference_rows(arithmetic.train_problems(2000), seed=0)
+    RewardTrainer(str(base), train_dataset=rows, max_steps=steps, batch_size=32, learning_rate=1e-3, warmup_steps=10,
+                  mixed_precision="bf16", output_dir=str(out), progress=False, logging_steps=100,
+                  center_rewards_coefficient=0.01).train()
+    held_out = arithmetic.preference_rows(arithmetic.eval_problems(200), seed=1)
+    acc = reward_model_accuracy(load_reward_model(out / "model"), load_tokenizer(out / "model"), held_out)
+    print(f"reward model: held-out pairwise accuracy {acc:.3f}", flush=True)
+    return out / "model"
+
+
+def run(algorithm: str, base: Path, eval_rows: list[dict], reward_model: Path | None, extra: dict) -> tuple[float, dict]:
+    from verl_core.algorithms.grpo import GRPOTrainer
+    from verl_core.algorithms.ppo import PPOTrainer
+    from verl_core.policies import LLMPolicy
+    from verl_core.rewards import RewardModel
+
+    settings = {**COMMON, **PRESETS[algorithm], **extra}
+    policy = LLMPolicy.from_pretrained(base)
+    start = time.perf_counter()
+    if algorithm == "ppo":
+        rm = RewardModel.from_pretrained(reward_model) if reward_model else None
+        rules = None if rm else {"exact_match": 1.0}
+        trainer = PPOTrainer(policy=policy, reward_model=rm, reward_rules=rules, eval_prompts=eval_rows, **settings)
+    else:
+        trainer = GRPOTrainer(policy=policy, eval_prompts=eval_rows, advantage_estimator=algorithm, **settings)
+    result = trainer.train()
+    return time.perf_counter() - start, result.metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sft-path", type=Path, help="start from this SFT folder (default: build one)")
+    parser.add_argument("--sft-steps", type=int, default=600, help="SFT steps when building the base")
+    parser.add_argument("--algorithms", default="grpo,ppo")
+    parser.add_argument("--ppo-reward", choices=["model", "rule"], default="model")
+    parser.add_argument("--rm-steps", type=int, default=300)
+    parser.add_argument("--eval-rows", type=int, default=100)
+    parser.add_argument("--steps", type=int, help="override max_steps of every algorithm")
+    parser.add_argument("--target", type=float, default=0.10, help="minimum accuracy gain per algorithm")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for the tiny model on shared cores)")
+    parser.add_argument("--out", type=Path, help="working folder (default: a temporary one)")
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from verl_core import arithmetic
+    from verl_core.evaluation import answer_accuracy
+    from verl_core.models import load_causal_lm, load_tokenizer
+
+    out = args.out or Path(tempfile.mkdtemp(prefix="online-rl-bench-"))
+    t0 = time.perf_counter()
+    base = args.sft_path or build_sft(out / "sft", args.sft_steps)
+    eval_rows = arithmetic.eval_rows(args.eval_rows)
+    before = answer_accuracy(load_causal_lm(base), load_tokenizer(base), eval_rows)
+    print(f"SFT base {base}: exact match {before:.3f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    unknown = set(algorithms) - set(PRESETS)
+    if unknown:
+        parser.error(f"unknown algorithms {sorted(unknown)}; choose from {sorted(PRESETS)}")
+    reward_model = None
+    if "ppo" in algorithms and args.ppo_reward == "model":
+        reward_model = build_reward_model(base, out / "rm", args.rm_steps)
+    extra = {"max_steps": args.steps} if args.steps else {}
+    rows = []
+    for algorithm in algorithms:
+        seconds, metrics = run(algorithm, base, eval_rows, reward_model, extra)
+        after = metrics["eval/accuracy"]
+        rows.append((algorithm, before, after, after - before, seconds, metrics.get("reward/mean", float("nan"))))
+        print(f"{algorithm}: {before:.3f} -> {after:.3f} in {seconds:.0f}s", flush=True)
+    print()
+    print(f"{'algorithm':<14}{'before':>8}{'after':>8}{'delta':>8}{'wall s':>8}{'reward':>8}")
+    for name, b, a, d, s, r in rows:
+        print(f"{name:<14}{b:>8.3f}{a:>8.3f}{d:>+8.3f}{s:>8.0f}{r:>8.3f}")
+    failed = [name for name, _, _, d, _, _ in rows if d < args.target]
+    if failed:
+        print(f"\nFAIL: {', '.join(failed)} improved by less than {args.target:+.2f}")
+        return 1
+    print(f"\nOK: every algorithm improved by at least {args.target:+.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""PPO: the seed example, step-0 invariants, seeded reproducibility, config checks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl_core.config import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model runs far faster on one thread when the two cores are shared; afterwards the
+    process-wide accelerate state is cleared so the next test's engine may pick its own precision."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+
+
+def _imports():
+    try:
+        from verl_core import PPOConfig, Trainer  # the seed's public spelling
+    except ImportError:  # until verl_core/__init__.py exports them
+        from verl_core.algorithms.ppo import PPOConfig, Trainer
+    return Trainer, PPOConfig
+
+
+def test_ppo_config_is_strict_and_sized_for_a_short_run():
+    _, PPOConfig = _imports()
+    c = PPOConfig(learning_rate=1e-5, batch_size=32, ppo_epochs=4, clip_range=0.2)
+    assert (c.learning_rate, c.batch_size, c.ppo_epochs, c.clip_range) == (1e-5, 32, 4, 0.2)
+    assert c.max_steps <= 20
+    PPOConfig(gradient_checkpointing=True, gradient_accumulation_steps=4, mixed_precision="bf16", offload_optimizer=True)
+    with pytest.raises(ConfigError, match="unknown key 'ppo_epoch'"):
+        PPOConfig.from_dict({"ppo_epoch": 2})
+    with pytest.raises(Exception, match="unknown key|extra"):
+        PPOConfig(ppo_epoch=2)
+    assert PPOConfig(total_episodes=100, batch_size=16).max_steps == 7
+    with pytest.raises(Exception, match="mini_batch_size"):
+        PPOConfig(batch_size=16, mini_batch_size=6)
+
+
+def test_seed_example_runs_verbatim(sft_path, tiny_path):
+    Trainer, PPOConfig = _imports()
+    from verl_core.policies import LLMPolicy
+    from verl_core.rewards import RewardModel
+
+    path = str(sft_path)
+    torch.manual_seed(0)
+    policy = LLMPolicy.from_pretrained(path)
+    reward_model = RewardModel.from_pretrained(path)  # an LM folder: fresh (seeded) score head
+    config = PPOConfig(learning_rate=1e-5, batch_size=32, ppo_epochs=4, clip_range=0.2)
+    result = Trainer(policy=policy, reward_model=reward_model, config=config).train()
+    assert result.steps == config.max_steps and torch.isfinite(torch.tensor(result.metrics["loss"]))
+    config = PPOConfig(gradient_checkpointing=True, gradient_accumulation_steps=4, mixed_precision="bf16", offload_optimizer=True)
+    result = Trainer(policy=policy, reward_model=reward_model, config=config).train()
+    for key in ("reward/mean", "reward/std", "kl", "policy/clip_fraction", "policy/approx_kl", "value/loss",
+                "value/explained_variance", "response_length/mean", "perf/gen_tokens_per_s", "perf/train_tokens_per_s"):
+        assert key in result.metrics, key
+
+
+def _ppo(path, **overrides):
+    from verl_core.algorithms.ppo import PPOTrainer
+    from verl_core.policies import LLMPolicy
+
+    settings = dict(batch_size=16, mini_batch_size=8, ppo_epochs=2, max_steps=1, learning_rate=1e-4, kl_coef=0.1,
+                    max_new_tokens=16, progress=False, logging_steps=1, reward_rules={"exact_match": 1.0, "format": 0.5})
+    settings.update(overrides)
+    return PPOTrainer(policy=LLMPolicy.from_pretrained(str(path)), **settings)
+
+
+def test_first_update_sees_zero_kl_unit_ratio_and_no_clipping(sft_path):
+    trainer = _ppo(sft_path, gradient_accumulation_steps=2)
+    result = trainer.train()
+    first = trainer.update_history[0]  # metrics of the first optimizer step, computed before it stepped
+    assert abs(result.history["kl"][0][1]) < 1e-6  # policy == reference at step 0
+    assert first["policy/ratio_dev_max"] < 1e-5
+    assert first["policy/clip_fraction"] == 0.0
+    assert first["policy/approx_kl"] < 1e-10
+    assert len(trainer.update_history) == 4  # 2 epochs × 2 mini-batches
+    assert trainer.update_history[-1]["policy/ratio_dev_max"] > first["policy/ratio_dev_max"]  # later ones are off-policy
+
+
+def test_seeded_runs_give_identical_rewards_and_losses(sft_path):
+    keys = ("reward/mean", "loss", "policy/loss", "value/loss", "kl")
+    runs = [_ppo(sft_path, max_steps=3, seed=5).train().history for _ in range(2)]
+    for key in keys:
+        assert runs[0][key] == runs[1][key], key
+    other = _ppo(sft_path, max_steps=3, seed=6).train().history
+    assert other["reward/mean"] != runs[0]["reward/mean"] or other["loss"] != runs[0]["loss"]
+
+
+def test_adaptive_kl_coefficient_moves_toward_the_target(sft_path):
+    trainer = _ppo(sft_path, max_steps=2, adaptive_kl=True, kl_coef=0.2, kl_target=100.0, kl_horizon=10)
+    result = trainer.train()
+    assert result.history["kl_coef"][-1][1] < 0.2  # KL far below target -> beta shrinks
+
+
+def competent_or_skip(sft_path, eval_rows) -> float:
+    """Greedy exact match of ``sft_path``; skip when it is too weak for RL to sharpen (see test_grpo.py)."""
+    from verl_core.evaluation import answer_accuracy
+    from verl_core.models import load_causal_lm, load_tokenizer
+
+    acc = answer_accuracy(load_causal_lm(sft_path), load_tokenizer(sft_path), eval_rows)
+    if acc < 0.3:
+        pytest.skip(f"the sft_path fixture solves {acc:.2f} of eval_rows(100); RL needs a base that solves >= 0.3 "
+                    "(about 900 SFT steps) to improve within a CPU minute")
+    return acc
+
+
+def test_ppo_raises_held_out_accuracy(sft_path):
+    """PPO (value head, GAE, KL in the reward) from the SFT policy on the exact-match rule.
+
+    With a reward model trained on ``arithmetic.preference_rows`` instead, the same run gained
+    between +0.00 and +0.17 over seeds and then over-optimised the model (its held-out pairwise
+    accuracy is ~0.9 but it ranks the policy's own samples little better than chance: best-of-8 by
+    the model 0.38 vs 0.35 random), so the rule reward is what this test asserts on.
+    """
+    from verl_core import arithmetic
+    from verl_core.algorithms.ppo import PPOTrainer
+    from verl_core.policies import LLMPolicy
+
+    eval_rows = arithmetic.eval_rows(100)
+    before = competent_or_skip(sft_path, eval_rows)
+    trainer = PPOTrainer(policy=LLMPolicy.from_pretrained(str(sft_path)), prompts=arithmetic.prompt_rows(2048),
+                         eval_prompts=eval_rows, reward_rules={"exact_match": 1.0}, learning_rate=1e-4, batch_size=128,
+                         mini_batch_size=64, ppo_epochs=2, max_steps=20, kl_coef=0.05, max_new_tokens=24,
+                         mixed_precision="bf16", progress=False, logging_steps=10)
+    after = trainer.train().metrics["eval/accuracy"]
+    assert after >= before + 0.05, (before, after)
+
+
+def test_a_resumed_run_continues_exactly(sft_path, tmp_path):
+    from verl_core.callbacks import Callback
+
+    class CrashAfterStep2(Callback):
+        def on_step_end(self, step: int) -> None:
+            if step == 2:
+                raise KeyboardInterrupt
+
+    settings = dict(max_steps=3, save_steps=1, adaptive_kl=True, kl_target=1.0, kl_horizon=10)
+    straight = _ppo(sft_path, **settings).train().history
+    crashed = _ppo(sft_path, output_dir=str(tmp_path), callbacks=[CrashAfterStep2()], **settings)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.train()
+    resumed = _ppo(sft_path, output_dir=str(tmp_path), **settings).train().history  # from the step-2 checkpoint
+    for key in ("reward/mean", "loss", "value/loss", "kl_coef"):
+        assert resumed[key] == straight[key][2:], key

@@ -1,0 +1,395 @@
+"""Online RL over the shared engine: sample, score, estimate advantages, update with PPO-clip.
+
+One training step (the RLHF loop of Ziegler et al. 2019, arXiv:1909.08593, and Ouyang et al.
+2022, arXiv:2203.02155):
+
+1. take ``batch_size / num_generations`` prompts (a seeded permutation: a pure function of
+   ``(seed, step)``, so a resumed run sees the same prompts),
+2. sample ``num_generations`` completions per prompt (:mod:`verl_core.rollout`, seeded),
+3. score them (:class:`~verl_core.rewards.RewardSource`),
+4. without gradients: old log-probs, reference log-probs (only when a KL term is on), values,
+5. advantages (the algorithm's :meth:`OnlineTrainer.compute_advantages`: GAE, GRPO, RLOO, ...),
+6. ``ppo_epochs`` passes over shuffled mini-batches, one ``Engine.optimizer_step`` each, on the
+   clipped surrogate ``ppo_policy_loss`` (+ entropy bonus, + KL when ``kl_in="loss"``, + the
+   algorithm's extra loss, e.g. the PPO value loss).
+
+Log-probs in training are ``log softmax(z / T)`` at the sampling temperature ``T``, the same
+distribution the rollout sampled from. Old log-probs are recomputed with a training-layout
+forward pass (not taken from the sampler) so that the first mini-batch has ratio 1 up to float
+noise, also under mixed precision; when there is exactly one update per rollout (one epoch, one
+mini-batch) the update is on-policy and ``old = logp.detach()`` saves that pass.
+
+The KL to the frozen reference is estimated per token with ``kl_penalty(kind=kl_estimator)`` and
+either subtracted from the reward (``kl_in="reward"``: ``r_t -= beta * kl_t``, Ziegler et al.) or
+added to the loss (``kl_in="loss"``: ``+ beta * agg(kl_t)``, GRPO, Shao et al. 2024). With
+several processes each process samples, scores and whitens its own share of the batch.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Sequence
+
+import torch
+from pydantic import Field, model_validator
+
+from verl_core import arithmetic
+from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
+from verl_core.callbacks import Callback, HistoryCallback
+from verl_core.config import ConfigError
+from verl_core.data import tokenize_prompts
+from verl_core.engine import Engine, LossOutput, TrainConfig, TrainingError, TrainResult, micro_batch_indices
+from verl_core.logprobs import entropy_from_logits, selected_logprobs
+from verl_core.losses.masked import masked_mean
+from verl_core.losses.policy import AdaptiveKLController, FixedKLController, aggregate, kl_penalty, ppo_policy_loss
+from verl_core.models import save_pretrained_atomic
+from verl_core.policies import LLMPolicy
+from verl_core.rewards.model import RewardModel, RewardSource, RewardSourceConfig, UserRewards
+from verl_core.rollout import HFRolloutBackend, RolloutBackend, RolloutBatch, SamplingParams, decode_responses
+
+KLKind = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"]
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class OnlineConfig(TrainConfig, RewardSourceConfig):
+    """Settings shared by PPO, GRPO, RLOO and REINFORCE++. ``max_steps`` counts rollout steps."""
+
+    learning_rate: float = Field(1e-5, gt=0)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    max_steps: int = Field(10, ge=1, description="rollout steps; each is ppo_epochs × (batch_size / mini_batch_size) optimizer steps")
+    total_episodes: int | None = Field(None, ge=1, description="if set: max_steps = ceil(total_episodes / batch_size)")
+    batch_size: int = Field(16, ge=1, description="episodes (sampled completions) per rollout step, all processes")
+    mini_batch_size: int | None = Field(None, ge=1, description="episodes per optimizer step (default batch_size)")
+    ppo_epochs: int = Field(1, ge=1)
+    num_generations: int = Field(1, ge=1, description="completions sampled per prompt (the group size)")
+    max_prompt_length: int = Field(256, ge=1)
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    generation_batch_size: int = Field(256, ge=1)
+    clip_range: float = Field(0.2, gt=0)
+    clip_range_high: float | None = Field(None, gt=0, description="upper clip (DAPO clip-higher); default clip_range")
+    dual_clip: float | None = Field(None, gt=1)
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    entropy_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.05, ge=0, description="beta; 0 disables the reference model")
+    kl_estimator: KLKind = "k1"
+    kl_in: Literal["reward", "loss"] = "reward"
+    adaptive_kl: bool = False
+    kl_target: float = Field(6.0, gt=0)
+    kl_horizon: int = Field(10000, ge=1)
+    missing_eos_penalty: float | None = Field(None, description="subtracted from the score of completions cut by max_new_tokens")
+    eval_reward: str = "exact_match"
+
+    @model_validator(mode="after")
+    def _online_shape(self):
+        if self.total_episodes is not None:
+            self.__dict__["max_steps"] = max(1, math.ceil(self.total_episodes / self.batch_size))
+        if self.batch_size % self.num_generations:
+            raise ValueError(f"batch_size {self.batch_size} is not a multiple of num_generations {self.num_generations}")
+        if self.mini_batch_size is not None and self.batch_size % self.mini_batch_size:
+            raise ValueError(f"batch_size {self.batch_size} is not a multiple of mini_batch_size {self.mini_batch_size}")
+        return self
+
+
+class _KLState:
+    """Checkpointable wrapper of the KL controller's coefficient."""
+
+    def __init__(self, controller):
+        self.controller = controller
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.controller.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.controller.value = float(state["value"])
+
+
+class OnlineTrainer:
+    """The loop above; an algorithm provides :meth:`compute_advantages` and may override
+    :meth:`build_module` / :meth:`forward` / :meth:`extra_loss` (PPO adds a value head)."""
+
+    config_cls: ClassVar[type[OnlineConfig]] = OnlineConfig
+    default_rules: ClassVar[dict[str, float]] = {"exact_match": 1.0}
+    needs_values: ClassVar[bool] = False
+
+    def __init__(self, policy: LLMPolicy | str, reward_model: RewardModel | str | None = None,
+                 config: OnlineConfig | dict | None = None, prompts: Any = None, reward_fns: UserRewards = None,
+                 eval_prompts: Any = None, callbacks: Sequence[Callback] = (), rollout_backend: RolloutBackend | None = None,
+                 **overrides: Any):
+        c = self.config = resolve_config(self.config_cls, config, overrides)
+        self.policy = policy if isinstance(policy, LLMPolicy) else LLMPolicy.from_pretrained(policy)
+        tok = self.policy.tokenizer
+        self.prompts = tokenize_prompts(arithmetic.prompt_rows() if prompts is None else prompts, tok, c.max_prompt_length)
+        if len(self.prompts) < c.batch_size // c.num_generations:
+            raise ConfigError(f"{len(self.prompts)} prompts, fewer than the {c.batch_size // c.num_generations} one rollout step needs")
+        self.eval_prompts = eval_prompts
+        self.rewards = RewardSource.build(c, reward_model, reward_fns, self.default_rules)
+        rm = self.rewards.reward_model
+        self.rm_reads_ids = rm is not None and rm.shares_vocab(tok)
+        self.sampling = SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
+                                       top_k=c.top_k, n=c.num_generations, batch_size=c.generation_batch_size)
+        torch.manual_seed(c.seed)
+        self.module = self.build_module(self.policy.model)
+        uses_ref = c.kl_coef > 0 or c.adaptive_kl
+        self.reference = copy.deepcopy(self.policy.model).eval().requires_grad_(False) if uses_ref else None
+        self.kl_ctl = (AdaptiveKLController(c.kl_coef, c.kl_target, c.kl_horizon) if c.adaptive_kl
+                       else FixedKLController(c.kl_coef))
+        self.callbacks = list(callbacks)
+        self.backend = rollout_backend
+        self.engine: Engine | None = None
+        self.update_history: list[dict[str, float]] = []  # metrics of every optimizer step, in order
+
+    # -- what an algorithm provides ----------------------------------------------------------
+    def build_module(self, lm: torch.nn.Module) -> torch.nn.Module:
+        """The module the engine optimises (default: the policy LM itself)."""
+        return lm
+
+    def policy_lm(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    def forward(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits that predict each response token, [B, R, V], and values [B, R] (or None)."""
+        return lm_response_logits(model, batch), None
+
+    def compute_advantages(self, exp: dict[str, torch.Tensor], scores: torch.Tensor) -> dict[str, float]:
+        """Write ``exp["advantages"]`` ([B, R], 0 off the mask); return metrics."""
+        raise NotImplementedError
+
+    def extra_loss(self, values: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor | float, dict[str, float]]:
+        return 0.0, {}
+
+    # -- helpers for algorithms --------------------------------------------------------------
+    def token_rewards(self, exp: dict[str, torch.Tensor], scores: torch.Tensor) -> torch.Tensor:
+        """``r_t = -beta * kl_t`` (when ``kl_in="reward"``) plus the score on the last valid token."""
+        mask = exp["response_mask"]
+        rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        if "kl" in exp and self.config.kl_in == "reward":
+            rewards = rewards - self.kl_ctl.value * exp["kl"]
+        last = (mask.sum(-1) - 1).clamp(min=0)
+        rows = torch.arange(mask.shape[0], device=mask.device)
+        rewards[rows, last] += scores.to(rewards.device) * (mask.sum(-1) > 0)
+        return torch.where(mask.bool(), rewards, 0.0)
+
+    # -- the run -----------------------------------------------------------------------------
+    @property
+    def mini_batch_size(self) -> int:
+        return self.config.mini_batch_size or self.config.batch_size
+
+    def train(self) -> TrainResult:
+        c = self.config
+        updates = c.ppo_epochs * (c.batch_size // self.mini_batch_size)
+        _allow_precision_change(c.mixed_precision)
+        self.engine = engine = Engine(self.module, c, self.callbacks, total_steps=c.max_steps * updates)
+        acc = engine.accelerator
+        if (c.batch_size // c.num_generations) % acc.num_processes or self.mini_batch_size % (acc.num_processes * c.gradient_accumulation_steps):
+            raise TrainingError(f"prompts per step ({c.batch_size // c.num_generations}) must split over {acc.num_processes} processes and "
+                                f"mini_batch_size ({self.mini_batch_size}) over processes × gradient_accumulation_steps")
+        acc.register_for_checkpointing(_KLState(self.kl_ctl))
+        if self.reference is not None:
+            self.reference.to(acc.device)
+        if self.rewards.reward_model is not None:
+            self.rewards.reward_model.to(acc.device).autocast_dtype = _AUTOCAST.get(c.mixed_precision)
+        lm = self.policy_lm(engine.unwrapped)
+        if self.backend is None:
+            tok = self.policy.tokenizer
+            self.backend = HFRolloutBackend(lm, tok.eos_token_id, tok.pad_token_id, _AUTOCAST.get(c.mixed_precision))
+        start = engine.maybe_resume() // updates
+        history = HistoryCallback()
+        callbacks = self.callbacks + [history]
+        for cb in callbacks:
+            cb.on_train_begin({**c.model_dump(), "algorithm": type(self).__name__})
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=c.max_steps, initial=start, disable=not (c.progress and engine.is_main), desc=type(self).__name__, dynamic_ncols=True)
+        status, metrics = "FAILED", {}
+        try:
+            for step in range(start, c.max_steps):
+                metrics = self.train_step(step)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+                if c.eval_steps and self.eval_prompts is not None and (step + 1) % c.eval_steps == 0:
+                    metrics.update(self.evaluate())
+                if engine.is_main and ((step + 1) % c.logging_steps == 0 or step + 1 == c.max_steps):
+                    for cb in callbacks:
+                        cb.on_log(step + 1, metrics)
+                if c.save_steps and (step + 1) % c.save_steps == 0 and step + 1 < c.max_steps:
+                    engine.save_checkpoint()
+                for cb in callbacks:
+                    cb.on_step_end(step + 1)
+            if self.eval_prompts is not None:
+                final = self.evaluate()
+                metrics.update(final)
+                if engine.is_main:
+                    for cb in callbacks:
+                        cb.on_log(c.max_steps, final)
+            status = "FINISHED"
+        finally:
+            bar.close()
+            for cb in callbacks:
+                cb.on_train_end(status, metrics)
+        out_dir = None
+        if c.output_dir and engine.is_main:
+            out_dir = str(save_pretrained_atomic(lm, self.policy.tokenizer, Path(c.output_dir) / FINAL_MODEL_DIR))
+        acc.wait_for_everyone()
+        return TrainResult(steps=c.max_steps, metrics=metrics, history=history.history, output_dir=out_dir)
+
+    def evaluate(self) -> dict[str, float]:
+        from verl_core.evaluation import answer_accuracy
+
+        lm = self.policy_lm(self.engine.unwrapped if self.engine else self.module)
+        acc = answer_accuracy(lm, self.policy.tokenizer, self.eval_prompts, self.config.eval_reward, self.config.max_new_tokens)
+        return {"eval/accuracy": acc}
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One rollout step: sample, score, advantages, ``ppo_epochs`` passes of updates."""
+        c, engine = self.config, self.engine
+        acc = engine.accelerator
+        idx = micro_batch_indices(len(self.prompts), step, c.batch_size // c.num_generations, c.seed,
+                                  acc.process_index, acc.num_processes, 1)[0]
+        examples = [self.prompts[i] for i in idx]
+        t0 = time.perf_counter()
+        rollout = self.backend.generate([e["prompt_ids"] for e in examples], self.sampling,
+                                        seed=(c.seed * 1_000_003 + step) * 1_009 + acc.process_index)
+        gen_seconds = time.perf_counter() - t0
+        scores, metrics = self.score(rollout, examples)
+        exp = self.make_experience(rollout)
+        metrics.update(self.kl_metrics(exp))
+        metrics.update(self.compute_advantages(exp, scores.to(acc.device)))
+        exp.pop("kl", None)
+        t1 = time.perf_counter()
+        updates = self.update(exp, step)
+        train_seconds = time.perf_counter() - t1
+        if c.adaptive_kl and "kl" in metrics:
+            self.kl_ctl.update(metrics["kl"], c.batch_size)
+        self.backend.sync_weights(self.policy_lm(engine.unwrapped))
+        lengths = rollout.response_lengths.float()
+        metrics.update({k: sum(u[k] for u in updates) / len(updates) for k in updates[0]})
+        metrics.update({
+            "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+            "response/eos_fraction": rollout.finished.float().mean().item(), "kl_coef": self.kl_ctl.value,
+            "perf/gen_seconds": gen_seconds, "perf/train_seconds": train_seconds,
+            "perf/gen_tokens_per_s": lengths.sum().item() / max(gen_seconds, 1e-9),
+            "perf/train_tokens_per_s": c.ppo_epochs * exp["attention_mask"].sum().item() / max(train_seconds, 1e-9),
+        })
+        return metrics
+
+    def score(self, rollout: RolloutBatch, examples: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
+        texts = decode_responses(self.policy.tokenizer, rollout)
+        groups = rollout.group_index.tolist()
+        ids = self.rm_reads_ids
+        result = self.rewards.score([examples[g]["prompt"] for g in groups], texts, [examples[g]["ground_truth"] for g in groups],
+                                    prompt_ids=rollout.prompt_lists() if ids else None,
+                                    completion_ids=rollout.response_lists() if ids else None)
+        scores = result.total
+        if self.config.missing_eos_penalty is not None:
+            scores = scores - self.config.missing_eos_penalty * (~rollout.finished.cpu()).float()
+        metrics = {"reward/mean": scores.mean().item(), "reward/std": scores.std(unbiased=False).item()}
+        metrics.update({f"reward/{k}": v.float().mean().item() for k, v in result.components.items()})
+        return scores, metrics
+
+    @torch.no_grad()
+    def make_experience(self, rollout: RolloutBatch) -> dict[str, torch.Tensor]:
+        """Training tensors of one rollout: layout, old/reference log-probs, values, per-token KL."""
+        c, acc = self.config, self.engine.accelerator
+        exp = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "position_ids": rollout.position_ids,
+               "response_ids": rollout.response_ids, "response_mask": rollout.response_mask}
+        exp = {k: v.to(acc.device) for k, v in exp.items()}
+        off_policy = c.ppo_epochs * (c.batch_size // self.mini_batch_size) > 1
+        need_old = off_policy or self.needs_values or (self.reference is not None and c.kl_in == "reward")
+        chunk = max(1, self.mini_batch_size // (acc.num_processes * c.gradient_accumulation_steps))
+        old, values, ref = [], [], []
+        for s in range(0, len(rollout), chunk):
+            mb = {k: v[s:s + chunk] for k, v in exp.items()}
+            if need_old:
+                self.engine.model.eval()
+                logits, v = self.forward(self.engine.model, mb)
+                old.append(selected_logprobs(logits / c.temperature, mb["response_ids"]))
+                if v is not None:
+                    values.append(v.float())
+            if self.reference is not None:
+                with acc.autocast():
+                    ref.append(selected_logprobs(lm_response_logits(self.reference, mb) / c.temperature, mb["response_ids"]))
+        mask = exp["response_mask"].bool()
+        if need_old:
+            exp["old_logp"] = torch.where(mask, torch.cat(old), 0.0)
+        if values:
+            exp["values"] = torch.where(mask, torch.cat(values), 0.0)
+        if ref:
+            exp["ref_logp"] = torch.where(mask, torch.cat(ref), 0.0)
+            if need_old:
+                exp["kl"] = torch.where(mask, kl_penalty(exp["old_logp"], exp["ref_logp"], c.kl_estimator), 0.0)
+        return exp
+
+    def kl_metrics(self, exp: dict[str, torch.Tensor]) -> dict[str, float]:
+        if "kl" not in exp:
+            return {}
+        mask = exp["response_mask"]
+        return {"kl": exp["kl"].sum(-1).mean().item(), "kl/token_mean": masked_mean(exp["kl"], mask).item()}
+
+    def update(self, exp: dict[str, torch.Tensor], step: int) -> list[dict[str, float]]:
+        c, acc = self.config, self.engine.accelerator
+        n = exp["input_ids"].shape[0]
+        local = self.mini_batch_size // acc.num_processes
+        gen = torch.Generator().manual_seed(c.seed * 1_000_003 + step)
+        out = []
+        for _ in range(c.ppo_epochs):
+            order = torch.randperm(n, generator=gen).to(exp["input_ids"].device)
+            for k in range(n // local):
+                rows = order[k * local:(k + 1) * local]
+                micro = [{key: v[i] for key, v in exp.items()} for i in rows.chunk(c.gradient_accumulation_steps)]
+                metrics = self.engine.optimizer_step(micro, self.loss)
+                self.update_history.append(metrics)
+                out.append(metrics)
+        return out
+
+    def loss(self, model, mb: dict[str, torch.Tensor]) -> LossOutput:
+        """Clipped surrogate + entropy bonus + KL (``kl_in="loss"``) + the algorithm's extra loss."""
+        c = self.config
+        logits, values = self.forward(model, mb)
+        logits = logits / c.temperature
+        mask = mb["response_mask"]
+        logp = selected_logprobs(logits, mb["response_ids"])
+        old = mb["old_logp"] if "old_logp" in mb else logp.detach()
+        high = c.clip_range_high if c.clip_range_high is not None else c.clip_range
+        pl = ppo_policy_loss(old, logp, mb["advantages"], mask, c.clip_range, high, c.dual_clip, c.loss_agg)
+        total = pl.loss
+        with torch.set_grad_enabled(c.entropy_coef > 0 and torch.is_grad_enabled()):
+            entropy = aggregate(entropy_from_logits(logits), mask, c.loss_agg)
+        if c.entropy_coef > 0:
+            total = total - c.entropy_coef * entropy
+        ratio_dev = torch.where(mask.bool(), (logp.detach() - old).exp() - 1, 0.0).abs()
+        metrics = {"policy/loss": pl.loss.item(), "policy/clip_fraction": pl.clip_fraction.item(),
+                   "policy/approx_kl": pl.approx_kl.item(), "policy/entropy": entropy.item(),
+                   "policy/ratio_dev_mean": masked_mean(ratio_dev, mask).item(), "policy/ratio_dev_max": ratio_dev.max().item()}
+        if "ref_logp" in mb and c.kl_in == "loss":
+            kl = aggregate(kl_penalty(logp, mb["ref_logp"], c.kl_estimator), mask, c.loss_agg)
+            total = total + self.kl_ctl.value * kl
+            metrics["policy/kl_loss"] = kl.item()
+        extra, extra_metrics = self.extra_loss(values, mb)
+        total = total + extra
+        metrics.update(extra_metrics)
+        units = mask.sum() if c.loss_agg == "token-mean" else (mask.sum(-1) > 0).sum()
+        return LossOutput(loss_sum=total * units, count=units.item(), metrics=metrics)
+
+
+def _allow_precision_change(mixed_precision: str) -> None:
+    """accelerate keeps one process-wide ``AcceleratorState`` and refuses a second ``Accelerator`` with
+    another ``mixed_precision``; a later run in the same process (a notebook, two configs in one
+    script) resets that state. The distributed ``PartialState`` is kept."""
+    from accelerate.state import AcceleratorState
+
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision", mixed_precision) != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
+
+
+def lm_response_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logits at the positions that predict the response tokens: [B, R, V] (only those are computed)."""
+    r = batch["response_ids"].shape[1]
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+                use_cache=False, logits_to_keep=r + 1)
+    return out.logits[:, :-1]

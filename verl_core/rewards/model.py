@@ -1,0 +1,217 @@
+"""Reward-model scoring, user reward callables, and their weighted combination with rule rewards.
+
+Every reward source is batched and checked: a source that raises, returns the wrong number of
+scores, or a NaN/inf score raises :class:`~verl_core.rewards.rules.RewardError` naming the
+source and the sample.
+
+The combined score of completion ``i`` is a weighted sum over sources::
+
+    r_i = sum_rule w_rule * rule(i) + w_rm * RM(prompt_i, completion_i) + sum_fn w_fn * fn(i)
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import torch
+from pydantic import Field
+
+from verl_core.config import ConfigError, StrictConfig
+from verl_core.data import collate_sequences
+from verl_core.models import DType, load_reward_model, load_tokenizer
+from verl_core.rewards.rules import RULE_REWARDS, RewardError, RewardFn, _checked_scores, get_rule_reward
+
+Prompt = Union[str, list[dict[str, str]]]
+
+
+class RewardModel:
+    """A scalar reward model (sequence classifier, one logit read at the last token).
+
+    ``RewardModel.from_pretrained(path).score(prompts, completions)`` → ``[N]`` fp32 scores.
+    Prompts and completions are either texts, or token ids of this model's tokenizer. Texts are
+    encoded the way :class:`~verl_core.algorithms.reward_model.RewardTrainer` saw its training
+    rows: the prompt with special tokens (a message list goes through the chat template), the
+    completion without, then EOS. Sequences longer than ``max_length`` keep their last
+    ``max_length`` tokens (the end is what the score head reads).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, batch_size: int = 64, max_length: int = 1024):
+        if tokenizer.pad_token_id is None:
+            raise ConfigError("the reward model's tokenizer needs a pad token")
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.autocast_dtype: torch.dtype | None = None
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: DType = "float32", batch_size: int = 64,
+                        max_length: int = 1024, trust_remote_code: bool = False) -> "RewardModel":
+        model = load_reward_model(path, dtype=dtype, trust_remote_code=trust_remote_code, trainable=False)
+        return cls(model, load_tokenizer(path, trust_remote_code=trust_remote_code), batch_size, max_length)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def to(self, device: torch.device | str) -> "RewardModel":
+        self.model.to(device)
+        return self
+
+    def shares_vocab(self, tokenizer: Any) -> bool:
+        """True when ``tokenizer`` maps text to the same ids, so token ids can be scored as they are."""
+        return tokenizer is self.tokenizer or tokenizer.get_vocab() == self.tokenizer.get_vocab()
+
+    def encode(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
+        tok = self.tokenizer
+        prompt_ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                prompt_ids.append(tok(p, add_special_tokens=True)["input_ids"])
+            else:
+                text = tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                prompt_ids.append(tok(text, add_special_tokens=False)["input_ids"])
+        completion_ids = [tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for c in completions]
+        return prompt_ids, completion_ids
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[Prompt] | Sequence[Sequence[int]],
+              completions: Sequence[str] | Sequence[Sequence[int]]) -> torch.Tensor:
+        """Scores of ``completions`` given ``prompts`` (texts, or ids of this tokenizer); [N] fp32 on CPU."""
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+        if completions and isinstance(completions[0], str):
+            prompt_ids, completion_ids = self.encode(prompts, completions)
+        else:
+            prompt_ids, completion_ids = [list(p) for p in prompts], [list(c) for c in completions]
+        out = []
+        for start in range(0, len(prompt_ids), self.batch_size):
+            p = prompt_ids[start:start + self.batch_size]
+            c = completion_ids[start:start + self.batch_size]
+            batch = collate_sequences(p, c, self.tokenizer.pad_token_id)
+            ids, mask = _keep_last(batch["input_ids"], batch["attention_mask"], self.max_length, self.tokenizer.pad_token_id)
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                                enabled=self.autocast_dtype is not None):
+                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False).logits
+            out.append(logits[:, 0].float().cpu())
+        return torch.cat(out) if out else torch.zeros(0)
+
+
+def _keep_last(ids: torch.Tensor, mask: torch.Tensor, max_length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded rows cut to their last ``max_length`` real tokens (still right-padded)."""
+    if ids.shape[1] <= max_length:
+        return ids, mask
+    lengths = mask.sum(-1)
+    out_ids = torch.full((ids.shape[0], max_length), pad_id, dtype=ids.dtype)
+    out_mask = torch.zeros((ids.shape[0], max_length), dtype=mask.dtype)
+    for i, n in enumerate(lengths.tolist()):
+        keep = min(n, max_length)
+        out_ids[i, :keep] = ids[i, n - keep:n]
+        out_mask[i, :keep] = 1
+    return out_ids, out_mask
+
+
+class RewardSourceConfig(StrictConfig):
+    """The serialisable part of a reward: rule names and weights, and a reward-model folder."""
+
+    reward_rules: dict[str, float] | None = Field(None, description="rule reward name -> weight (see RULE_REWARDS)")
+    reward_model_path: str | None = None
+    reward_model_weight: float = 1.0
+
+
+@dataclass
+class RewardScores:
+    total: torch.Tensor  # [N] weighted sum
+    components: dict[str, torch.Tensor] = field(default_factory=dict)  # source name -> [N] unweighted
+
+
+UserRewards = Union[Mapping[str, Union[RewardFn, tuple[RewardFn, float]]], Sequence[RewardFn], RewardFn, None]
+
+
+class RewardSource:
+    """Rules + reward model + user callables, each with a weight, scored together.
+
+    A user callable has the rule-reward signature ``fn(completions, ground_truths) -> list[float]``
+    and is given as a list (weight 1, named after the function), or a mapping
+    ``name -> fn`` / ``name -> (fn, weight)``.
+    """
+
+    def __init__(self, rules: Mapping[str, float] | None = None, reward_model: RewardModel | None = None,
+                 reward_model_weight: float = 1.0, functions: UserRewards = None):
+        self.rules = dict(rules or {})
+        for name in self.rules:
+            get_rule_reward(name)  # unknown names fail here, before any model is loaded
+        self.reward_model = reward_model
+        self.reward_model_weight = float(reward_model_weight)
+        self.functions = _normalise_functions(functions)
+        for name, w in [*self.rules.items(), *((n, w) for n, (_, w) in self.functions.items()), ("reward_model", self.reward_model_weight)]:
+            if not math.isfinite(w):
+                raise ConfigError(f"weight of reward {name!r} is not finite: {w}")
+        if not self.rules and reward_model is None and not self.functions:
+            raise ConfigError("no reward: give reward_rules, a reward model, or reward functions")
+
+    @classmethod
+    def build(cls, config: RewardSourceConfig, reward_model: RewardModel | str | os.PathLike | None = None,
+              functions: UserRewards = None, default_rules: Mapping[str, float] | None = None) -> "RewardSource":
+        """From a config plus live objects; ``default_rules`` apply only when nothing else is given."""
+        rm = reward_model if reward_model is not None else config.reward_model_path
+        if isinstance(rm, (str, os.PathLike)):
+            rm = RewardModel.from_pretrained(rm)
+        rules = config.reward_rules
+        if rules is None and rm is None and not functions:
+            rules = dict(default_rules or {})
+        return cls(rules, rm, config.reward_model_weight, functions)
+
+    def score(self, prompts: Sequence[Prompt], completions: Sequence[str], ground_truths: Sequence[str | None],
+              prompt_ids: Sequence[Sequence[int]] | None = None,
+              completion_ids: Sequence[Sequence[int]] | None = None) -> RewardScores:
+        """Weighted total and per-source scores. The reward model reads ``prompt_ids``/``completion_ids``
+        when given (they must be ids of its tokenizer), else the texts."""
+        n = len(completions)
+        total = torch.zeros(n, dtype=torch.float32)
+        parts: dict[str, torch.Tensor] = {}
+        for name, weight in self.rules.items():
+            parts[name] = torch.tensor(_checked_scores(name, RULE_REWARDS[name], completions, ground_truths))
+            total += weight * parts[name]
+        for name, (fn, weight) in self.functions.items():
+            parts[name] = torch.tensor(_checked_scores(name, fn, completions, ground_truths), dtype=torch.float32)
+            total += weight * parts[name]
+        if self.reward_model is not None:
+            if prompt_ids is not None and completion_ids is not None:
+                rm = self.reward_model.score(prompt_ids, completion_ids)
+            else:
+                rm = self.reward_model.score(prompts, completions)
+            bad = (~torch.isfinite(rm)).nonzero()
+            if len(bad):
+                i = int(bad[0])
+                raise RewardError("reward_model", i, f"returned a non-finite score {rm[i].item()}", completions[i])
+            parts["reward_model"] = rm
+            total += self.reward_model_weight * rm
+        return RewardScores(total, parts)
+
+
+def _normalise_functions(functions: UserRewards) -> dict[str, tuple[RewardFn, float]]:
+    if functions is None:
+        return {}
+    if callable(functions):
+        functions = [functions]
+    out: dict[str, tuple[RewardFn, float]] = {}
+    if isinstance(functions, Mapping):
+        for name, value in functions.items():
+            fn, weight = value if isinstance(value, tuple) else (value, 1.0)
+            out[str(name)] = (_check_callable(fn, name), float(weight))
+        return out
+    for fn in functions:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        if name in out or name in RULE_REWARDS:
+            name = f"{name}_{len(out)}"
+        out[name] = (_check_callable(fn, name), 1.0)
+    return out
+
+
+def _check_callable(fn: Callable, name: Any) -> RewardFn:
+    if not callable(fn):
+        raise ConfigError(f"reward function {name!r} is not callable (got {type(fn).__name__})")
+    return fn

@@ -1,0 +1,249 @@
+"""Rollout: batched sampling of completions from a policy, with the masks and log-probs RL needs.
+
+One :class:`RolloutBatch` holds ``N = len(prompts) * n`` samples laid out so that a training
+forward pass can take them as they are::
+
+    prompt_ids    [N, P]  left-padded (pad id), prompt_mask 1 on real prompt tokens
+    response_ids  [N, R]  right-padded (pad id)
+    response_mask [N, R]  1 on every generated token up to and including EOS, 0 after
+    logprobs      [N, R]  log-prob of each sampled token (0 where response_mask is 0)
+    group_index   [N]     index of the prompt each sample answers (samples of one prompt are adjacent)
+
+``torch.cat([prompt_ids, response_ids], 1)`` with ``position_ids = cumsum(mask) - 1`` is the
+exact sequence the sampler saw, so a fresh forward pass reproduces ``logprobs``.
+
+Which log-probs: ``logprobs[i, t] = log softmax(z_t / T)[y_t]``, the log-probability of the
+sampled token under the policy *at the sampling temperature* ``T``, before the top-k / top-p
+truncation (the truncation is a sampler heuristic, not part of the policy being optimised).
+With ``T = 1`` this is the model's own log-prob; greedy decoding (``temperature=0``) reports
+the ``T = 1`` log-probs.
+
+The HF backend is a hand-written KV-cache loop rather than ``model.generate`` so that the
+random stream (one ``torch.Generator``), the stopping rule and the log-probs are exact and
+under our control. A vLLM or SGLang backend implements :class:`RolloutBackend` instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+from pydantic import Field
+
+from verl_core.config import StrictConfig
+from verl_core.data import pad_to
+
+
+class SamplingParams(StrictConfig):
+    """How to sample completions."""
+
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, ge=0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0 means no top-k filter")
+    n: int = Field(1, ge=1, description="samples per prompt")
+    batch_size: int = Field(256, ge=1, description="sequences decoded together (bounds memory)")
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    group_index: torch.Tensor
+    finished: torch.Tensor  # [N] bool: the response ended with EOS (was not cut by max_new_tokens)
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], 1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask], 1)
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return position_ids_from_mask(self.attention_mask)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1)
+
+    def response_lists(self) -> list[list[int]]:
+        """Each response's token ids without padding (EOS kept when generated)."""
+        return [r[m.bool()].tolist() for r, m in zip(self.response_ids, self.response_mask)]
+
+    def prompt_lists(self) -> list[list[int]]:
+        return [p[m.bool()].tolist() for p, m in zip(self.prompt_ids, self.prompt_mask)]
+
+    def to(self, device) -> "RolloutBatch":
+        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0 on pads."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Anything that samples completions for token-id prompts.
+
+    ``generate`` must return samples of prompt ``i`` at rows ``i*n .. i*n+n-1`` and be a pure
+    function of ``(weights, prompt_ids, params, seed)``. ``sync_weights`` is called after every
+    policy update; an in-process backend that holds the live model has nothing to do.
+    """
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> RolloutBatch: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None: ...
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set logits outside the top-k and outside the top-p nucleus (Holtzman et al. 2020,
+    arXiv:1904.09751: the smallest set of tokens whose probability sum reaches ``p``) to -inf.
+    The most likely token is always kept."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly more likely tokens
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class HFRolloutBackend:
+    """Sampling with a Hugging Face causal LM and its KV cache, in this process.
+
+    ``autocast_dtype`` (e.g. ``torch.bfloat16``) runs the forward passes under autocast; the
+    sampling distribution and log-probs are always computed in fp32 from the logits.
+    """
+
+    def __init__(self, model: torch.nn.Module, eos_token_id: int | Sequence[int], pad_token_id: int,
+                 autocast_dtype: torch.dtype | None = None):
+        self.model = model
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos_ids = torch.tensor(eos, dtype=torch.long)
+        self.pad_token_id = int(pad_token_id)
+        self.autocast_dtype = autocast_dtype
+        self._cache_kw = _cache_keyword(model)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._cache_kw = _cache_keyword(model)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seed: int = 0) -> RolloutBatch:
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("generate needs at least one prompt and no empty prompt")
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(int(seed))
+        rows = [list(p) for p in prompt_ids for _ in range(params.n)]
+        groups = [i for i in range(len(prompt_ids)) for _ in range(params.n)]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            chunks = [self._generate_chunk(rows[s:s + params.batch_size], params, gen, device)
+                      for s in range(0, len(rows), params.batch_size)]
+        finally:
+            self.model.train(was_training)
+        batch = _concat(chunks, self.pad_token_id)
+        batch.group_index = torch.tensor(groups, dtype=torch.long, device=device)
+        return batch
+
+    def _forward(self, cache=None, **kwargs):
+        """One forward with the KV cache; returns (last-position logits, updated cache)."""
+        if cache is not None:
+            kwargs[self._cache_kw] = cache
+        if self.autocast_dtype is None:
+            out = self.model(**kwargs, use_cache=True)
+        else:
+            with torch.autocast(device_type=kwargs["input_ids"].device.type, dtype=self.autocast_dtype):
+                out = self.model(**kwargs, use_cache=True)
+        return out.logits[:, -1], out.get(self._cache_kw)
+
+    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator,
+                        device: torch.device) -> RolloutBatch:
+        n = len(rows)
+        prompt = pad_to(rows, self.pad_token_id, side="left").to(device)
+        prompt_mask = pad_to([[1] * len(r) for r in rows], 0, side="left").to(device)
+        eos_ids = self.eos_ids.to(device)
+        mask = prompt_mask.clone()
+        positions = position_ids_from_mask(mask)
+        logits, cache = self._forward(input_ids=prompt, attention_mask=mask, position_ids=positions)
+        next_pos = positions[:, -1:] + 1
+        done = torch.zeros(n, dtype=torch.bool, device=device)
+        tokens, logps, alive = [], [], []
+        for step in range(params.max_new_tokens):
+            token, logp = _sample(logits.float(), params, gen)
+            token = torch.where(done, self.pad_token_id, token)
+            tokens.append(token)
+            logps.append(torch.where(done, 0.0, logp))
+            alive.append(~done)
+            done = done | torch.isin(token, eos_ids)
+            if bool(done.all()) or step == params.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, alive[-1].long()[:, None]], 1)
+            logits, cache = self._forward(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, cache=cache)
+            next_pos = next_pos + 1
+        batch = RolloutBatch(prompt_ids=prompt, prompt_mask=prompt_mask, response_ids=torch.stack(tokens, 1),
+                             response_mask=torch.stack(alive, 1).long(), logprobs=torch.stack(logps, 1),
+                             group_index=torch.zeros(n, dtype=torch.long, device=device), finished=done)
+        return batch
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """The forward argument that takes the KV cache: ``cache`` (transformers >= 5.x) or ``past_key_values``."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its log-prob under softmax(logits / T) (see the module docstring)."""
+    if params.temperature == 0:
+        token = logits.argmax(-1)
+        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
+    scaled = logits / params.temperature
+    logp_all = torch.log_softmax(scaled, -1)
+    probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), -1)
+    token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _concat(chunks: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    if len(chunks) == 1:
+        return chunks[0]
+    p_len = max(c.prompt_ids.shape[1] for c in chunks)
+    r_len = max(c.response_ids.shape[1] for c in chunks)
+
+    def pad(t: torch.Tensor, length: int, value, left: bool) -> torch.Tensor:
+        extra = length - t.shape[1]
+        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
+
+    out = RolloutBatch(
+        prompt_ids=torch.cat([pad(c.prompt_ids, p_len, pad_id, True) for c in chunks]),
+        prompt_mask=torch.cat([pad(c.prompt_mask, p_len, 0, True) for c in chunks]),
+        response_ids=torch.cat([pad(c.response_ids, r_len, pad_id, False) for c in chunks]),
+        response_mask=torch.cat([pad(c.response_mask, r_len, 0, False) for c in chunks]),
+        logprobs=torch.cat([pad(c.logprobs, r_len, 0.0, False) for c in chunks]),
+        group_index=torch.cat([c.group_index for c in chunks]),
+        finished=torch.cat([c.finished for c in chunks]),
+    )
+    return out
+
+
+def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
+    """Response texts without special tokens (EOS and padding removed)."""
+    return tokenizer.batch_decode(batch.response_lists(), skip_special_tokens=True)

@@ -1,0 +1,79 @@
+"""The benchmark's own code: verdicts, FLOP counts, the table, and a smoke run of our side.
+
+No timing is asserted: the smoke run only checks that our trainers run under the bench and
+that the table and result files come out (TRL is not needed: ``--no-trl``).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import harness  # noqa: E402
+
+
+def test_verdicts_say_by_how_much_a_target_is_missed():
+    speed = harness.Target("dpo", "throughput", 2.0)
+    assert harness.judge(speed, 2.5) == ("PASS", "2.50×")
+    status, how = harness.judge(speed, 1.6)
+    assert status == "MISS" and "needs 25% more speed" in how
+    status, how = harness.judge(harness.Target("dpo", "memory", 0.6), 0.75)
+    assert status == "MISS" and "needs 20% less memory" in how
+    status, how = harness.judge(harness.Target("sft", "mfu", 0.6), 0.45)
+    assert status == "MISS" and "short by 15.0% of peak" in how
+    assert harness.judge(speed, None)[0] == "n/a"
+
+
+def test_flop_count_of_the_bench_model():
+    spec = harness.BenchSpec()
+    # per layer: q,o 256x256, k,v 256x128, MLP 3x256x1024; plus the 256 x vocab LM head
+    assert harness.matmul_params(spec, 400) == 4 * (2 * 65536 + 2 * 32768 + 3 * 262144) + 256 * 400
+    one = harness.forward_flops(spec, [1], 400)
+    assert one == 2 * harness.matmul_params(spec, 400) + 4 * 4 * 256
+    assert harness.train_flops(spec, [10, 20], 400) == 3 * harness.forward_flops(spec, [10, 20], 400)
+
+
+def _record(ms: float, rss: float, **extra) -> dict:
+    return {"timed_seconds": ms * 10 / 1000, "max_rss_mb": rss, "rss_before_mb": rss - 50, "cuda_peak_mb": None, **extra}
+
+
+def test_table_reports_ratios_misses_and_errors():
+    spec = harness.BenchSpec()
+    works = {"dpo": {"unit": 16, "flops": 1e9}, "sft": {"unit": 600, "flops": 1e9}}
+    results = {"dpo": {"ours": _record(100, 300, precompute_s=2.0), "trl": _record(300, 600)},
+               "sft": {"ours": _record(100, 300), "trl": {"error": "boom"}}}
+    peak = {"flops_per_s": 1e11, "dtype": "bf16", "n": 2048, "threads": 2}
+    table, verdicts = harness.build_table(spec, ["sft", "dpo"], results, works, peak, "cpu", {"torch": "x"})
+    assert "| dpo | pairs/s | 160.0 | 53.3 | 3.00× | 300 | 600 | 0.50× |" in table
+    assert "sft TRL: ERROR boom" in table
+    status = {(t.algo, t.metric): s for t, s, _ in verdicts}
+    assert status[("dpo", "throughput")] == "PASS" and status[("dpo", "memory")] == "PASS"
+    assert status[("sft", "throughput")] == "n/a" and status[("sft", "mfu")] == "MISS"
+    assert "spread over one epoch" in table
+
+
+def test_smoke_run_of_our_side(tmp_path):
+    out = tmp_path / "latest.md"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "run_all.py"), "--quick", "--small", "--no-trl", "--threads", "1",
+         "--only", "sft,dpo", "--out", str(out)],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a target missed, never a failure
+    table = out.read_text()
+    for algo in ("sft", "dpo"):
+        row = next(line for line in table.splitlines() if line.startswith(f"| {algo} |"))
+        assert row.split("|")[3].strip() not in ("—", ""), row  # our throughput was measured
+    assert "ERROR" not in table
+    raw = json.loads(out.with_suffix(".json").read_text())
+    assert raw["results"]["dpo"]["ours"]["precompute_s"] > 0
+    assert "packing" in raw["results"]["dpo"]["ours"]["features"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

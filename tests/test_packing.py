@@ -1,0 +1,295 @@
+"""Padding-free packing (verl_core.packing) computes exactly what the padded layout computes.
+
+Losses and per-sequence log-probs are compared in fp32 against the padded path within 1e-5
+(absolute on losses, relative on summed log-probs of ~40 tokens), and in fp64 within 1e-9,
+which shows the two layouts are the same computation up to float rounding.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verl_core import arithmetic, packing
+from verl_core.algorithms.reward_model import pair_rewards
+from verl_core.data import collate_pairs, collate_sequences, collate_sft, tokenize_pairs, tokenize_sft, tokenize_unpaired
+from verl_core.logprobs import model_token_logprobs
+from verl_core.losses.preference import dpo_loss, sequence_logps
+from verl_core.models import load_causal_lm, load_reward_model, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_path):
+    return load_tokenizer(tiny_path)
+
+
+@pytest.fixture(scope="module")
+def sft_examples(tok):
+    no_prompt = tokenize_sft([{"text": "Ann has 3 cups."}], tok, 128)  # a row with no prompt
+    return tokenize_sft(arithmetic.sft_rows(12), tok, 128) + no_prompt
+
+
+@pytest.fixture(scope="module")
+def pair_examples(tok):
+    return tokenize_pairs(arithmetic.preference_rows(arithmetic.train_problems(10)), tok, 128)
+
+
+def _model(path, impl="sdpa", dtype=torch.float32):
+    model = load_causal_lm(path)
+    model.config._attn_implementation = impl
+    return model.to(dtype).eval()
+
+
+def _sft_loss(logps, batch):
+    mask = batch["loss_mask"].to(logps.dtype)
+    return -(logps * mask).sum() / mask.sum()
+
+
+# -- layout -----------------------------------------------------------------------------------
+def test_layout_matches_the_docstring_example():
+    examples = [{"prompt_ids": [5, 6], "completion_ids": [7, 2]}, {"prompt_ids": [5], "completion_ids": [8, 9, 2]}]
+    b = packing.collate_packed_sft(examples, pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 2, 5, 8, 9, 2]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert b["segment_ids"].tolist() == [[1, 1, 1, 1, 2, 2, 2, 2]]
+    assert b["branch_ids"].tolist() == [[0, 0, 1, 1, 0, 1, 1, 1]]
+    assert b["packed_index"].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    padded = collate_sft(examples, pad_id=0)
+    assert torch.equal(b["loss_mask"], padded["loss_mask"])
+    assert "attention_mask" not in b  # unaware code fails loudly instead of misreading packed rows
+
+
+def test_shared_prompt_layout_and_mask():
+    examples = [{"prompt_ids": [5, 6], "chosen_ids": [7, 2], "rejected_ids": [8, 9, 2]}]
+    b = packing.collate_packed_pairs(examples, pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 2, 8, 9, 2]]  # one copy of the prompt
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 2, 3, 4]]  # rejected restarts after the prompt
+    assert b["packed_index"].tolist() == [[0, 1, 2, 3, -1], [0, 1, 4, 5, 6]]
+    assert torch.equal(b["loss_mask"], collate_pairs(examples, 0)["loss_mask"])
+    mask = packing.packed_attention_mask(b)[0, 0]
+    sees = {q: [k for k in range(7) if mask[q, k]] for q in range(7)}
+    assert sees[1] == [0, 1] and sees[3] == [0, 1, 2, 3]
+    assert sees[4] == [0, 1, 4] and sees[6] == [0, 1, 4, 5, 6]  # rejected never sees chosen
+    additive = packing.packed_attention_mask(b, torch.float32)[0, 0]
+    assert additive[6, 2] == torch.finfo(torch.float32).min and additive[6, 5] == 0
+
+
+def test_row_capacity_packs_first_fit_and_pads_rows_that_only_see_themselves():
+    examples = [{"prompt_ids": [1] * 3, "completion_ids": [2] * n} for n in (5, 1, 4, 2)]  # sizes 8, 4, 7, 5
+    b = packing.collate_packed_sft(examples, pad_id=0, row_capacity=13)
+    assert b["input_ids"].shape == (2, 13)
+    assert packing.packing_stats(b)["computed_tokens"] == 24 and packing.packing_stats(b)["logical_tokens"] == 24
+    mask = packing.packed_attention_mask(b)[:, 0]
+    pad = b["segment_ids"] == 0
+    assert bool(pad.any())
+    for r, c in pad.nonzero().tolist():
+        assert mask[r, c].nonzero().flatten().tolist() == [c]
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        packing.collate_packed([[1]], [[[2]], [[3], [4]]], 0)
+
+
+def test_row_capacity_longest_never_widens_a_row_beyond_the_longest_unit():
+    examples = [{"prompt_ids": [1] * 3, "completion_ids": [2] * n} for n in (9, 1, 2, 6, 3)]  # sizes 12, 4, 5, 9, 6
+    b = packing.collate_packed_sft(examples, pad_id=0, row_capacity="longest")
+    assert b["input_ids"].shape[1] == 12  # short units share rows: 12 | 9 (+ nothing) | ...
+    assert b["input_ids"].shape[0] < len(examples)
+    with pytest.raises(ValueError, match="longest"):
+        packing.collate_packed_sft(examples, pad_id=0, row_capacity="widest")
+
+
+# -- equal results ----------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("capacity", [None, 80])
+def test_packed_sft_loss_and_gradients_equal_padded(tiny_path, tok, sft_examples, impl, capacity):
+    model = _model(tiny_path, impl)
+    padded = collate_sft(sft_examples, tok.pad_token_id)
+    packed = packing.collate_packed_sft(sft_examples, tok.pad_token_id, row_capacity=capacity)
+    assert packing.packing_stats(packed)["computed_tokens"] < padded["input_ids"].numel()
+    loss_pad = _sft_loss(model_token_logprobs(model, padded), padded)
+    grads_pad = torch.autograd.grad(loss_pad, list(model.parameters()))
+    loss_packed = _sft_loss(packing.packed_token_logprobs(model, packed), packed)
+    grads_packed = torch.autograd.grad(loss_packed, list(model.parameters()))
+    assert abs(loss_pad.item() - loss_packed.item()) < 1e-5
+    for gp, gq in zip(grads_pad, grads_packed):
+        torch.testing.assert_close(gq, gp, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_entropy_equals_padded_on_loss_positions(tiny_path, tok, sft_examples):
+    model = _model(tiny_path)
+    padded = collate_sft(sft_examples, tok.pad_token_id)
+    packed = packing.collate_packed_sft(sft_examples, tok.pad_token_id)
+    with torch.no_grad():
+        lp_pad, ent_pad = model_token_logprobs(model, padded, with_entropy=True)
+        lp_packed, ent_packed = packing.packed_token_logprobs(model, packed, with_entropy=True)
+    need = padded["loss_mask"].bool().clone()
+    need[:, 0] = False
+    torch.testing.assert_close(lp_packed[need], lp_pad[need], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_packed[need], ent_pad[need], rtol=1e-5, atol=1e-5)
+    assert bool((lp_packed[~need] == 0).all())
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_packed_dpo_pair_logps_and_loss_equal_padded(tiny_path, tok, pair_examples, share_prompt, impl):
+    model = _model(tiny_path, impl)
+    padded = collate_pairs(pair_examples, tok.pad_token_id)
+    packed = packing.collate_packed_pairs(pair_examples, tok.pad_token_id, share_prompt=share_prompt, row_capacity=150)
+    if share_prompt:  # the prompt is computed once per pair
+        stats = packing.packing_stats(packed)
+        assert stats["computed_tokens"] == stats["logical_tokens"] - sum(len(e["prompt_ids"]) for e in pair_examples)
+    with torch.no_grad():
+        ref = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"]) - 0.5
+    s_pad = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"])
+    s_packed = sequence_logps(packing.packed_token_logprobs(model, packed), packed["loss_mask"])
+    torch.testing.assert_close(s_packed, s_pad, rtol=1e-5, atol=1e-5)
+    n = len(pair_examples)
+    loss_pad = dpo_loss(s_pad[:n], s_pad[n:], ref[:n], ref[n:], 0.1).losses.mean()
+    loss_packed = dpo_loss(s_packed[:n], s_packed[n:], ref[:n], ref[n:], 0.1).losses.mean()
+    assert abs(loss_pad.item() - loss_packed.item()) < 1e-5
+    g_pad = torch.autograd.grad(loss_pad, [model.model.embed_tokens.weight])[0]
+    g_packed = torch.autograd.grad(loss_packed, [model.model.embed_tokens.weight])[0]
+    torch.testing.assert_close(g_packed, g_pad, rtol=1e-4, atol=1e-7)
+
+
+def test_packed_pair_logps_are_the_same_computation_in_fp64(tiny_path, tok, pair_examples):
+    model = _model(tiny_path, "sdpa", torch.float64)
+    padded = collate_pairs(pair_examples, tok.pad_token_id)
+    packed = packing.collate_packed_pairs(pair_examples, tok.pad_token_id)
+    with torch.no_grad():
+        s_pad = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"])
+        s_packed = sequence_logps(packing.packed_token_logprobs(model, packed), packed["loss_mask"])
+    assert (s_pad - s_packed).abs().max().item() < 1e-9
+
+
+def test_packed_kto_rows_equal_padded(tiny_path, tok):
+    from verl_core.algorithms.kto import assign_kl_completions
+
+    rows = [{"prompt": r["prompt"], "completion": r["chosen"], "label": i % 2 == 0}
+            for i, r in enumerate(arithmetic.preference_rows(arithmetic.train_problems(8)))]
+    examples = assign_kl_completions(tokenize_unpaired(rows, tok, 128), seed=0, max_length=128)
+    model = _model(tiny_path)
+    prompts = [e["prompt_ids"] for e in examples]
+    padded = collate_sequences(prompts + prompts, [e["completion_ids"] for e in examples]
+                               + [e["kl_completion_ids"] for e in examples], tok.pad_token_id)
+    packed = packing.collate_packed_kto(examples, tok.pad_token_id)
+    assert packed["labels"].tolist() == [e["label"] for e in examples]
+    with torch.no_grad():
+        s_pad = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"])
+        s_packed = sequence_logps(packing.packed_token_logprobs(model, packed), packed["loss_mask"])
+    torch.testing.assert_close(s_packed, s_pad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_packed_reward_scores_equal_padded(tiny_path, tok, pair_examples, share_prompt):
+    torch.manual_seed(0)
+    rm = load_reward_model(tiny_path).eval()
+    padded = collate_pairs(pair_examples, tok.pad_token_id)
+    packed = packing.collate_packed_pairs(pair_examples, tok.pad_token_id, share_prompt=share_prompt)
+    c_pad, r_pad = pair_rewards(rm, padded)
+    c_packed, r_packed = packing.packed_pair_rewards(rm, packed)
+    torch.testing.assert_close(c_packed, c_pad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r_packed, r_pad, rtol=1e-5, atol=1e-5)
+    grad_pad = torch.autograd.grad(-(c_pad - r_pad).sigmoid().log().mean(), [rm.score.weight])[0]
+    grad_packed = torch.autograd.grad(-(c_packed - r_packed).sigmoid().log().mean(), [rm.score.weight])[0]
+    torch.testing.assert_close(grad_packed, grad_pad, rtol=1e-4, atol=1e-7)
+
+
+def test_token_logprobs_any_dispatches_and_models_without_logits_to_keep_work(tiny_path, tok, sft_examples):
+    model = _model(tiny_path)
+
+    class NoLogitsToKeep(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.config = inner.config
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+
+    padded = collate_sft(sft_examples, tok.pad_token_id)
+    packed = packing.collate_packed_sft(sft_examples, tok.pad_token_id)
+    with torch.no_grad():
+        a = _sft_loss(packing.token_logprobs_any(model, padded), padded)
+        b = _sft_loss(packing.token_logprobs_any(model, packed), packed)
+        c = _sft_loss(packing.packed_token_logprobs(NoLogitsToKeep(model), packed), packed)
+    assert abs(a - b) < 1e-5 and abs(b - c) < 1e-6
+
+
+def test_flash_attention_gets_no_mask_and_refuses_shared_prompts(tiny_path, tok, pair_examples):
+    model = _model(tiny_path)
+    model.config._attn_implementation = "flash_attention_2"
+    assert not packing.supports_shared_prompt(model)
+    shared = packing.collate_packed_pairs(pair_examples, tok.pad_token_id, share_prompt=True)
+    with pytest.raises(ValueError, match="share_prompt=False"):
+        packing.packed_forward(model, shared)
+    seen = {}
+    model.forward = lambda **kw: seen.update(kw)  # no flash-attn kernel on CPU: check the call only
+    packing.packed_forward(model, packing.collate_packed_pairs(pair_examples, tok.pad_token_id, share_prompt=False))
+    assert seen["attention_mask"] is None and seen["position_ids"] is not None
+
+
+def test_fp32_cpu_attention_is_exact_without_autocast_and_closer_under_it(tiny_path, tok, sft_examples, tmp_path):
+    reference, fast, plain = _model(tiny_path), _model(tiny_path), _model(tiny_path)
+    assert packing.use_fp32_cpu_attention(fast) and packing.attn_implementation(fast) == packing.FP32_CPU_SDPA
+    assert not packing.use_fp32_cpu_attention(_model(tiny_path, "eager"))  # only sdpa models switch
+    padded = collate_sft(sft_examples, tok.pad_token_id)
+    packed = packing.collate_packed_sft(sft_examples, tok.pad_token_id)
+    with torch.no_grad():
+        exact = model_token_logprobs(reference, padded)
+        assert torch.equal(model_token_logprobs(fast, padded), exact)  # no autocast: the same kernel, same dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16_fast = packing.packed_token_logprobs(fast, packed)
+            bf16_plain = model_token_logprobs(plain, padded)
+    mask = padded["loss_mask"].bool()
+    err_fast = (bf16_fast - exact)[mask].abs().mean()
+    err_plain = (bf16_plain - exact)[mask].abs().mean()
+    assert err_fast <= err_plain * 1.05, (err_fast, err_plain)
+    fast.save_pretrained(tmp_path / "saved")
+    assert packing.attn_implementation(load_causal_lm(tmp_path / "saved")) == "sdpa"  # not persisted
+
+
+# -- through the trainers -----------------------------------------------------------------------
+def _packed_trainer(cls, monkeypatch, **kwargs):
+    """A trainer whose batches are packed: ``packing=True`` once the configs have it, else the same
+    wiring the bench installs (a collate override + the packed-aware log-prob dispatch)."""
+    if "packing" in cls.config_cls.model_fields:
+        return cls(**kwargs, packing=True)
+    import verl_core.algorithms.dpo as dpo
+    import verl_core.algorithms.preference as preference
+    import verl_core.algorithms.sft as sft
+    from verl_core.algorithms.preference import attach_reference
+
+    for module in (sft, dpo, preference):
+        monkeypatch.setattr(module, "model_token_logprobs", packing.token_logprobs_any)
+
+    class Packed(cls):
+        def collate(self, examples):
+            pad = self.tokenizer.pad_token_id
+            if "chosen_ids" in examples[0]:
+                return attach_reference(packing.collate_packed_pairs(examples, pad, row_capacity=100), examples)
+            return packing.collate_packed_sft(examples, pad, row_capacity=100)
+
+    return Packed(**kwargs)
+
+
+def _losses(result):
+    return [v for _, v in result.history["loss"]]
+
+
+def test_sft_trainer_packed_losses_equal_padded(tiny_path, monkeypatch):
+    from verl_core.algorithms.sft import SFTTrainer
+
+    common = dict(model=str(tiny_path), train_dataset=arithmetic.sft_rows(32), max_steps=3, batch_size=8,
+                  learning_rate=1e-3, logging_steps=1, progress=False)
+    padded = _losses(SFTTrainer(**common).train())
+    packed = _losses(_packed_trainer(SFTTrainer, monkeypatch, **common).train())
+    assert max(abs(a - b) for a, b in zip(padded, packed)) < 1e-5, (padded, packed)
+
+
+def test_dpo_trainer_packed_with_precomputed_reference_equals_padded_on_the_fly(tiny_path, monkeypatch):
+    from verl_core.algorithms.dpo import DPOTrainer
+
+    common = dict(model=str(tiny_path), train_dataset=arithmetic.preference_rows(arithmetic.train_problems(32)),
+                  max_steps=3, batch_size=8, learning_rate=1e-3, logging_steps=1, progress=False)
+    padded = _losses(DPOTrainer(**common).train())
+    packed = _losses(_packed_trainer(DPOTrainer, monkeypatch, precompute_ref_logps=True, **common).train())
+    assert max(abs(a - b) for a, b in zip(padded, packed)) < 1e-5, (padded, packed)

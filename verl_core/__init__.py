@@ -3,6 +3,10 @@
     from verl_core import SFTTrainer, RewardTrainer
     SFTTrainer("path/to/model", train_dataset=rows, max_steps=300).train()
 """
+from verl_core.algorithms.dpo import DPOConfig, DPOTrainer, ORPOConfig, ORPOTrainer, SimPOConfig, SimPOTrainer
+from verl_core.algorithms.grpo import GRPOConfig, GRPOTrainer, ReinforcePPConfig, ReinforcePPTrainer, RLOOConfig, RLOOTrainer
+from verl_core.algorithms.kto import KTOConfig, KTOTrainer
+from verl_core.algorithms.ppo import PPOConfig, PPOTrainer, Trainer
 from verl_core.algorithms.reward_model import RewardConfig, RewardTrainer
 from verl_core.algorithms.sft import SFTConfig, SFTTrainer
 from verl_core.callbacks import Callback, ConsoleCallback, MLflowCallback
@@ -13,6 +17,9 @@ from verl_core.models import LoraSettings, ModelLoadError, load_causal_lm, load_
 from verl_core.tiny import tiny_model_path
 
 __all__ = [
+    "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "KTOConfig", "KTOTrainer", "ORPOConfig", "ORPOTrainer",
+    "PPOConfig", "PPOTrainer", "RLOOConfig", "RLOOTrainer", "ReinforcePPConfig", "ReinforcePPTrainer",
+    "SimPOConfig", "SimPOTrainer", "Trainer",
     "Callback", "ConfigError", "ConsoleCallback", "DataError", "Engine", "LoraSettings", "LossOutput",
     "MLflowCallback", "ModelLoadError", "RewardConfig", "RewardTrainer", "SFTConfig", "SFTTrainer",
     "TrainConfig", "TrainResult", "TrainingError", "load_causal_lm", "load_reward_model", "load_tokenizer",

@@ -41,7 +41,7 @@ def sft_path(tiny_path, session_tmp) -> Path:
     from verl_core.algorithms.sft import SFTTrainer
 
     out = session_tmp / "sft"
-    SFTTrainer(str(tiny_path), train_dataset=arithmetic.sft_rows(2000), max_steps=300, batch_size=32,
+    SFTTrainer(str(tiny_path), train_dataset=arithmetic.sft_rows(2000), max_steps=500, batch_size=32,
                learning_rate=3e-3, warmup_steps=20, mixed_precision="bf16", output_dir=str(out),
                progress=False, logging_steps=50).train()
     return out / "model"

@@ -26,10 +26,10 @@ def test_sft_lowers_eval_loss_and_raises_exact_match(tiny_path, sft_path, tmp_pa
 
 
 def test_reward_model_separates_correct_from_wrong_answers(sft_path, tmp_path):
-    train = arithmetic.preference_rows(arithmetic.train_problems(1024), seed=0)
+    train = arithmetic.preference_rows(arithmetic.train_problems(2000), seed=0)
     held_out = arithmetic.preference_rows(arithmetic.eval_problems(200), seed=1)
-    result = RewardTrainer(str(sft_path), train_dataset=train, eval_dataset=held_out[:64], max_steps=120, batch_size=16,
-                           learning_rate=1e-3, warmup_steps=10, mixed_precision="bf16", output_dir=str(tmp_path / "rm"),
+    result = RewardTrainer(str(sft_path), train_dataset=train, eval_dataset=held_out[:64], max_steps=800, batch_size=16,
+                           learning_rate=2e-3, warmup_steps=10, mixed_precision="bf16", output_dir=str(tmp_path / "rm"),
                            progress=False, logging_steps=20, center_rewards_coefficient=0.01).train()
     rm = load_reward_model(tmp_path / "rm" / "model")
     acc = reward_model_accuracy(rm, load_tokenizer(tmp_path / "rm" / "model"), held_out)

@@ -139,15 +139,28 @@ def run(algo: str, spec: BenchSpec, clock: StepClock) -> dict[str, Any]:
     if algo == "grpo":
         from verl_core.algorithms.grpo import GRPOConfig, GRPOTrainer
 
-        cfg = GRPOConfig(**common, num_generations=spec.num_generations, max_new_tokens=spec.max_completion_length,
+        wired = "packing" in GRPOConfig.model_fields
+        extra = {"packing": True} if wired and spec.packing else {}
+        cfg = GRPOConfig(**common, **extra, num_generations=spec.num_generations, max_new_tokens=spec.max_completion_length,
                          temperature=spec.temperature, max_prompt_length=spec.max_prompt_length)
-        trainer = GRPOTrainer(policy=path, config=cfg, prompts=rows, callbacks=callbacks)
+        cls = GRPOTrainer
+        if spec.packing and not wired:
+            from verl_core import packing
+
+            class SharedPromptGRPO(GRPOTrainer):  # until OnlineTrainer.forward has the packing switch
+                def forward(self, model, batch):
+                    return packing.packed_response_logits(model, batch, self.policy.tokenizer.pad_token_id), None
+
+            cls = SharedPromptGRPO
+        trainer = cls(policy=path, config=cfg, prompts=rows, callbacks=callbacks)
         attention = _fp32_attention(spec, trainer.policy.model)
         clock.mark("setup_done")
         trainer.train()
+        shared = ("shared-prompt update (one prompt per group)" + ("" if wired else " [bench-local wiring]")
+                  if spec.packing else None)
         return {"features": ", ".join(filter(None, ["bf16 autocast" if spec.dtype == "bf16" else "fp32", attention,
                                                     "KV-cached batched rollout with early stop",
-                                                    "logits only at response positions"]))}
+                                                    "logits only at response positions", shared]))}
 
     wired = packing_wired()
     sft_cls, rm_cls, dpo_cls, kto_cls = _trainer_classes(spec, wired)

@@ -11,7 +11,8 @@ import torch
 
 from verl_core import arithmetic, packing
 from verl_core.algorithms.reward_model import pair_rewards
-from verl_core.data import collate_pairs, collate_sequences, collate_sft, tokenize_pairs, tokenize_sft, tokenize_unpaired
+from verl_core.data import (collate_pairs, collate_sequences, collate_sft, tokenize_pairs, tokenize_prompts, tokenize_sft,
+                            tokenize_unpaired)
 from verl_core.logprobs import model_token_logprobs
 from verl_core.losses.preference import dpo_loss, sequence_logps
 from verl_core.models import load_causal_lm, load_reward_model, load_tokenizer
@@ -245,6 +246,28 @@ def test_fp32_cpu_attention_is_exact_without_autocast_and_closer_under_it(tiny_p
     assert err_fast <= err_plain * 1.05, (err_fast, err_plain)
     fast.save_pretrained(tmp_path / "saved")
     assert packing.attn_implementation(load_causal_lm(tmp_path / "saved")) == "sdpa"  # not persisted
+
+
+def test_packed_response_logits_share_each_prompt_and_equal_the_padded_ones(tiny_path, tok):
+    from verl_core.algorithms.online import lm_response_logits
+    from verl_core.logprobs import selected_logprobs
+    from verl_core.rollout import HFRolloutBackend, SamplingParams
+
+    model = _model(tiny_path)
+    prompts = [e["prompt_ids"] for e in tokenize_prompts(arithmetic.prompt_rows(4), tok, 64)]
+    rollout = HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id).generate(
+        prompts, SamplingParams(max_new_tokens=10, n=3), seed=0)
+    batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "position_ids": rollout.position_ids,
+             "response_ids": rollout.response_ids, "response_mask": rollout.response_mask}
+    batch = {k: v[torch.randperm(12, generator=torch.Generator().manual_seed(0))] for k, v in batch.items()}  # groups split up
+    batch["response_mask"][0, 3:] = 0  # an early stop
+    mask = batch["response_mask"].bool()
+    lp_pad = selected_logprobs(lm_response_logits(model, batch), batch["response_ids"])
+    lp_shared = selected_logprobs(packing.packed_response_logits(model, batch, tok.pad_token_id), batch["response_ids"])
+    torch.testing.assert_close(lp_shared[mask], lp_pad[mask], rtol=1e-5, atol=1e-5)
+    g_pad = torch.autograd.grad(lp_pad[mask].sum(), [model.model.embed_tokens.weight])[0]
+    g_shared = torch.autograd.grad(lp_shared[mask].sum(), [model.model.embed_tokens.weight])[0]
+    torch.testing.assert_close(g_shared, g_pad, rtol=1e-4, atol=1e-6)
 
 
 # -- through the trainers -----------------------------------------------------------------------

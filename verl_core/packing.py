@@ -82,6 +82,15 @@ def collate_packed(prompts: Sequence[Sequence[int]], completions: Sequence[Seque
     else:
         units = [(list(prompts[i]), [list(completions[k][i])], [k * n_units + i])
                  for k in range(n_branches) for i in range(n_units)]
+    return pack_units(units, n_units * n_branches, pad_id, row_capacity)
+
+
+Unit = tuple  # (prompt ids, [completion ids per branch], [logical sequence index per branch])
+
+
+def pack_units(units: Sequence[Unit], n_seq: int, pad_id: int, row_capacity: RowCapacity = None) -> dict[str, torch.Tensor]:
+    """The packed batch of ``units`` (see :func:`collate_packed` for ``row_capacity``); every
+    logical sequence ``0..n_seq-1`` must be a branch of exactly one unit."""
     sizes = [len(p) + sum(len(b) for b in bs) for p, bs, _ in units]
     if row_capacity == "longest":
         row_capacity = max(sizes)
@@ -99,7 +108,6 @@ def collate_packed(prompts: Sequence[Sequence[int]], completions: Sequence[Seque
             rows.append([u])
             fill.append(sizes[u])
     width = max(fill)
-    n_seq = n_units * n_branches
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     pos = torch.zeros((len(rows), width), dtype=torch.long)
     seg = torch.zeros((len(rows), width), dtype=torch.long)
@@ -248,6 +256,54 @@ def packed_token_logprobs(model, batch: dict[str, torch.Tensor], with_entropy: b
     ent = torch.zeros_like(out)
     ent[:, 1:][need] = entropy_from_logits(picked)
     return out, ent
+
+
+def packed_response_logits(model, batch: dict[str, torch.Tensor], pad_id: int = 0,
+                           row_capacity: RowCapacity = "longest") -> torch.Tensor:
+    """:func:`verl_core.algorithms.online.lm_response_logits` with each distinct prompt computed once.
+
+    ``batch`` is an online micro-batch (``input_ids`` = left-padded prompt + right-padded response,
+    ``attention_mask``, ``response_ids``, ``response_mask``). Rows whose prompts are identical (the
+    ``num_generations`` samples of one prompt in GRPO/RLOO) become ONE unit, prompt once, then every
+    response as its own branch. Returns logits ``[B, R, V]`` predicting each response token, computed
+    only where ``response_mask`` is 1 (zeros elsewhere, which every consumer masks out).
+    """
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    resp_mask = batch["response_mask"].bool()
+    rows, r_len = resp_mask.shape
+    p_len = ids.shape[1] - r_len
+    ids_l, prompt_keep, resp_len = ids.tolist(), attn[:, :p_len].bool().tolist(), resp_mask.sum(-1).tolist()
+    groups: dict[tuple, list[int]] = {}
+    for b in range(rows):
+        prompt = tuple(t for t, keep in zip(ids_l[b][:p_len], prompt_keep[b]) if keep)
+        groups.setdefault(prompt, []).append(b)
+    units = [(list(prompt), [ids_l[b][p_len:p_len + resp_len[b]] for b in members], members)
+             for prompt, members in groups.items()]
+    packed = pack_units(units, rows, pad_id, row_capacity)
+    packed = {k: v.to(ids.device) for k, v in packed.items()}
+    index = packed[PACKED_KEY]
+    prompt_lens = torch.zeros(rows, dtype=torch.long, device=ids.device)
+    for prompt, _branches, members in units:
+        prompt_lens[members] = len(prompt)
+    # response token j of row b is predicted by logical position prompt_len_b + j - 1
+    cols = prompt_lens[:, None] + torch.arange(r_len, device=ids.device)[None, :] - 1
+    predictor = index.gather(1, cols.clamp(max=index.shape[1] - 1))
+    valid = resp_mask & (cols >= 0)
+    flat = predictor[valid]
+    width = packed["input_ids"].shape[1]
+    keep = torch.zeros(packed["input_ids"].numel(), dtype=torch.bool, device=ids.device)
+    keep[flat] = True
+    try:
+        logits = packed_forward(model, packed, logits_to_keep=keep.view(-1, width)).logits
+    except TypeError:
+        logits = packed_forward(model, packed).logits
+    if logits.dim() == 3:
+        picked = logits.reshape(keep.shape[0], -1)[flat]
+    else:
+        picked = logits[(keep.long().cumsum(0) - 1)[flat]]
+    out = picked.new_zeros(rows, r_len, picked.shape[-1])
+    out[valid] = picked
+    return out
 
 
 def token_logprobs_any(model, batch: dict[str, torch.Tensor], with_entropy: bool = False):

@@ -80,17 +80,19 @@ def test_seeded_grpo_runs_are_identical(sft_path):
 def competent_or_skip(sft_path, eval_rows) -> float:
     """Greedy exact match of ``sft_path``; skip when it is too weak for RL to sharpen.
 
-    Measured on the bundled task: from an SFT policy that solves ~13% (units digit at chance) no
-    algorithm improves held-out accuracy within minutes of CPU; from one that solves ~45% (900 SFT
-    steps) GRPO gains +0.1..0.2 and PPO +0.2..0.3 in 20-40 steps (bench/online_rl.py).
+    Measured on the bundled task: from SFT policies that solve 13% (300 steps), 31-33% (500 steps)
+    or 36% (600 steps, lr 3e-3 cosine) neither GRPO nor PPO improves held-out accuracy within
+    minutes of CPU (e.g. 500 steps: GRPO 0.33 -> 0.33, PPO 0.33 -> 0.36 in 20 steps); from the
+    900-step recipe of bench/online_rl.py (0.46) GRPO gains +0.15..0.2 and PPO +0.2..0.36 in 20-40
+    steps.
     """
     from verl_core.evaluation import answer_accuracy
     from verl_core.models import load_causal_lm, load_tokenizer
 
     acc = answer_accuracy(load_causal_lm(sft_path), load_tokenizer(sft_path), eval_rows)
-    if acc < 0.3:
-        pytest.skip(f"the sft_path fixture solves {acc:.2f} of eval_rows(100); RL needs a base that solves >= 0.3 "
-                    "(about 900 SFT steps) to improve within a CPU minute")
+    if acc < 0.4:
+        pytest.skip(f"the sft_path fixture solves {acc:.2f} of eval_rows(100); RL needs a base that solves >= 0.4 "
+                    "(bench/online_rl.py's 900-step SFT recipe) to improve within a CPU minute")
     return acc
 
 

@@ -105,9 +105,9 @@ def competent_or_skip(sft_path, eval_rows) -> float:
     from verl_core.models import load_causal_lm, load_tokenizer
 
     acc = answer_accuracy(load_causal_lm(sft_path), load_tokenizer(sft_path), eval_rows)
-    if acc < 0.3:
-        pytest.skip(f"the sft_path fixture solves {acc:.2f} of eval_rows(100); RL needs a base that solves >= 0.3 "
-                    "(about 900 SFT steps) to improve within a CPU minute")
+    if acc < 0.4:
+        pytest.skip(f"the sft_path fixture solves {acc:.2f} of eval_rows(100); RL needs a base that solves >= 0.4 "
+                    "(bench/online_rl.py's 900-step SFT recipe) to improve within a CPU minute")
     return acc
 
 

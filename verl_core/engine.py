@@ -118,6 +118,7 @@ class Engine:
 
         self.config = config
         self.callbacks = list(callbacks)
+        allow_precision_change(config.mixed_precision)
         self.accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available(),
                                        step_scheduler_with_optimizer=False)
         set_seed(config.seed)
@@ -306,6 +307,17 @@ class Engine:
     def clear_checkpoints(self) -> None:
         if self.checkpoint_root is not None and self.is_main:
             shutil.rmtree(self.checkpoint_root, ignore_errors=True)
+
+
+def allow_precision_change(mixed_precision: str) -> None:
+    """accelerate keeps one process-wide ``AcceleratorState`` and refuses a second
+    ``Accelerator`` with another ``mixed_precision``; a later run in the same process (a
+    notebook, a pipeline, a test session) resets it, keeping the distributed ``PartialState``."""
+    from accelerate.state import AcceleratorState
+
+    previous = AcceleratorState._shared_state.get("_mixed_precision")
+    if previous is not None and previous != mixed_precision:
+        AcceleratorState._reset_state(reset_partial_state=False)
 
 
 def steps_for(config: TrainConfig, n_rows: int) -> int:

@@ -23,7 +23,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 class PreferenceDataConfig(StrictConfig):
-    """How to sample, score, pair and label; see the module docstring for the rules."""
+    """How to sample, score, pair and label; see the package docstring for the rules."""
 
     n_samples: int = Field(8, ge=2, description="completions sampled per prompt")
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_new_tokens=64),

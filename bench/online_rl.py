@@ -33,7 +33,7 @@ PRESETS: dict[str, dict] = {
     "ppo": dict(learning_rate=1e-4, batch_size=128, mini_batch_size=64, ppo_epochs=2, max_steps=40, kl_coef=0.05),
     "ppo_rm": dict(learning_rate=1e-4, batch_size=128, mini_batch_size=64, ppo_epochs=2, max_steps=20, kl_coef=0.05),
 }
-COMMON = dict(mixed_precision="bf16", max_new_tokens=24, progress=False, logging_steps=10, seed=0)
+COMMON = dict(mixed_precision="auto", max_new_tokens=24, progress=False, logging_steps=10, seed=0)
 
 
 def build_sft(out: Path, steps: int) -> Path:
@@ -42,7 +42,7 @@ def build_sft(out: Path, steps: int) -> Path:
     from verl_core.tiny import tiny_model_path
 
     first = min(steps, 300)
-    common = dict(train_dataset=arithmetic.sft_rows(2000), batch_size=32, mixed_precision="bf16", progress=False, logging_steps=100)
+    common = dict(train_dataset=arithmetic.sft_rows(2000), batch_size=32, mixed_precision="auto", progress=False, logging_steps=100)
     SFTTrainer(str(tiny_model_path()), max_steps=first, learning_rate=3e-3, warmup_steps=20, output_dir=str(out / "phase1"), **common).train()
     if steps == first:
         return out / "phase1" / "model"
@@ -59,7 +59,7 @@ def build_reward_model(base: Path, out: Path, steps: int) -> Path:
 
     rows = arithmetic.preference_rows(arithmetic.train_problems(2000), seed=0)
     RewardTrainer(str(base), train_dataset=rows, max_steps=steps, batch_size=32, learning_rate=1e-3, warmup_steps=10,
-                  mixed_precision="bf16", output_dir=str(out), progress=False, logging_steps=100,
+                  mixed_precision="auto", output_dir=str(out), progress=False, logging_steps=100,
                   center_rewards_coefficient=0.01).train()
     held_out = arithmetic.preference_rows(arithmetic.eval_problems(200), seed=1)
     acc = reward_model_accuracy(load_reward_model(out / "model"), load_tokenizer(out / "model"), held_out)

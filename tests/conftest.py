@@ -36,15 +36,23 @@ def tiny_path() -> Path:
 
 @pytest.fixture(scope="session")
 def sft_path(tiny_path, session_tmp) -> Path:
-    """The default model after a short SFT run on the bundled task (partial accuracy, room to improve)."""
+    """The default model after 900 SFT steps on the bundled task: exact match ~0.5 on held-out
+    problems (room to improve), ~110 s on 2 cores in fp32 (``mixed_precision="auto"``).
+
+    Two phases (300 steps of cosine from 3e-3, then 600 at a constant 2e-3), the recipe of
+    bench/online_rl.py.
+    """
     from verl_core import arithmetic
     from verl_core.algorithms.sft import SFTTrainer
 
     out = session_tmp / "sft"
-    SFTTrainer(str(tiny_path), train_dataset=arithmetic.sft_rows(2000), max_steps=500, batch_size=32,
-               learning_rate=3e-3, warmup_steps=20, mixed_precision="bf16", output_dir=str(out),
-               progress=False, logging_steps=50).train()
-    return out / "model"
+    common = dict(train_dataset=arithmetic.sft_rows(2000), batch_size=32, mixed_precision="auto", progress=False,
+                  logging_steps=100)
+    SFTTrainer(str(tiny_path), max_steps=300, learning_rate=3e-3, warmup_steps=20, output_dir=str(out / "phase1"),
+               **common).train()
+    SFTTrainer(str(out / "phase1" / "model"), max_steps=600, learning_rate=2e-3, lr_scheduler="constant",
+               output_dir=str(out / "phase2"), **common).train()
+    return out / "phase2" / "model"
 
 
 @pytest.fixture()

@@ -1,20 +1,21 @@
 """Preference training on the bundled arithmetic task improves the SFT policy.
 
-Train pairs: ``arithmetic.preference_rows(train_problems(480))`` (correct answer chosen,
-near-miss wrong answer rejected); held-out pairs come from the eval problems. Each run
-starts from the session's ``sft_path`` policy, trains 30 steps of batch 16 in fp32, then
-checks that held-out pairwise preference accuracy (chosen summed log-prob > rejected)
-rises and that greedy exact-match accuracy on ``eval_rows(100)`` stays ≥ 0.5 × the start.
+Pairs: the correct answer chosen, an answer off by 1 or 2 rejected (``offsets=(1, 2)``:
+with the default near misses of 3-12 the SFT fixture already ranks 0.985 of held-out pairs
+right, leaving nothing to show). Train pairs come from ``train_problems``, held-out pairs
+from ``eval_problems(200)``. Each run starts from the session's ``sft_path`` policy (900 SFT
+steps), trains 100 steps of batch 16 in fp32, then checks that held-out pairwise preference
+accuracy (chosen summed log-prob > rejected) rises and that greedy exact match on
+``eval_rows(100)`` stays >= 0.5 x the start.
 
-Measured (2 shared CPU cores; start: preference 0.65, exact match 0.13):
-TBD
+Measured (2 cores; start: preference 0.82, exact match 0.51):
+dpo 0.84 / 0.47, kto 0.83 / 0.48, simpo 0.84 / 0.48 (β=0.1 for DPO/KTO, lr 3e-5), orpo
+(lr 3e-4) 0.90 / 0.66; each run 11-14 s of training.
 
-Tuning note: this tiny policy is fragile. The train pairs carry a superficial cue
-(rejected answers are on average longer numbers), and pushing rejected log-probs down
-quickly teaches "end numbers early", which ruins greedy answers; with learning rates
-of 1e-4 and above DPO (β=0.1), KTO and SimPO all kept the preference gain but dropped
-exact match to 0.02–0.05. Small steps (1e-5) with a stronger β for DPO/KTO keep the
-answers; ORPO's NLL term protects them even at 3e-4.
+Tuning note: this tiny policy is fragile. Learning rates of 5e-4 and above pushed rejected
+log-probs down by teaching shorter or odd answers and dropped both the held-out preference
+accuracy (0.57-0.78) and exact match (0.09-0.38); 1e-5 for 30 steps changed nothing.
+ORPO's NLL term on the chosen answer keeps improving exact match as well.
 """
 from __future__ import annotations
 
@@ -28,17 +29,18 @@ from verl_core.algorithms.kto import KTOTrainer
 from verl_core.evaluation import answer_accuracy, preference_accuracy
 from verl_core.models import load_causal_lm, load_tokenizer
 
-STEPS, BATCH = 30, 16
+STEPS, BATCH = 100, 16
+OFFSETS = (1, 2)
 RUNS = {
-    "dpo": (DPOTrainer, dict(loss_type="sigmoid", beta=0.5, learning_rate=1e-5)),
-    "kto": (KTOTrainer, dict(beta=0.5, learning_rate=1e-5)),
-    "simpo": (DPOTrainer, dict(loss_type="simpo", beta=2.0, simpo_gamma=0.5, learning_rate=1e-5)),
+    "dpo": (DPOTrainer, dict(loss_type="sigmoid", beta=0.1, learning_rate=3e-5)),
+    "kto": (KTOTrainer, dict(beta=0.1, learning_rate=3e-5)),
+    "simpo": (DPOTrainer, dict(loss_type="simpo", beta=2.0, simpo_gamma=0.5, learning_rate=3e-5)),
     "orpo": (DPOTrainer, dict(loss_type="orpo", orpo_lambda=0.1, learning_rate=3e-4)),
 }
 
 
 def held_out_pairs() -> list[dict]:
-    return arithmetic.preference_rows(arithmetic.eval_problems(200), seed=1)
+    return arithmetic.preference_rows(arithmetic.eval_problems(200), seed=1, offsets=OFFSETS)
 
 
 def accuracies(model, tokenizer) -> tuple[float, float]:
@@ -55,7 +57,7 @@ def start(sft_path) -> tuple[float, float]:
 def test_preference_training_raises_held_out_preference_accuracy_without_collapsing_answers(sft_path, start, algorithm):
     cls, settings = RUNS[algorithm]
     t0 = time.perf_counter()
-    trainer = cls(str(sft_path), train_dataset=arithmetic.preference_rows(arithmetic.train_problems(STEPS * BATCH)),
+    trainer = cls(str(sft_path), train_dataset=arithmetic.preference_rows(arithmetic.train_problems(STEPS * BATCH), offsets=OFFSETS),
                   max_steps=STEPS, batch_size=BATCH, progress=False, logging_steps=10, **settings)
     trainer.train()
     seconds = time.perf_counter() - t0

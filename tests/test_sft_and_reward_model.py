@@ -24,17 +24,16 @@ def test_sft_lowers_eval_loss_and_raises_exact_match(tiny_path, sft_path, tmp_pa
     base_acc = answer_accuracy(base, tok, eval_rows)
     trained_acc = answer_accuracy(trained, tok, eval_rows)
     assert trained_loss < 0.5 * base_loss, (base_loss, trained_loss)
-    assert base_acc == 0.0 and trained_acc >= 0.08, (base_acc, trained_acc)
+    assert base_acc == 0.0 and trained_acc >= 0.3, (base_acc, trained_acc)  # measured 0.51
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "measured 0.755 (SFT 500 steps + RM 800 steps) and 0.765 (SFT 400 + RM 400): a reward model on a weak "
-    "SFT base stays below 0.8; from a 0.46-accuracy base it reached 0.885-0.895 (bench/online_rl.py)"))
 def test_reward_model_separates_correct_from_wrong_answers(sft_path, tmp_path):
+    """Measured (2 cores, fp32): 0.925 held-out pairwise accuracy after 400 steps (~75 s) from the
+    0.51-accuracy SFT fixture; 0.855 from a 300-step SFT base."""
     train = arithmetic.preference_rows(arithmetic.train_problems(2000), seed=0)
     held_out = arithmetic.preference_rows(arithmetic.eval_problems(200), seed=1)
-    result = RewardTrainer(str(sft_path), train_dataset=train, eval_dataset=held_out[:64], max_steps=800, batch_size=16,
-                           learning_rate=2e-3, warmup_steps=10, mixed_precision="bf16", output_dir=str(tmp_path / "rm"),
+    result = RewardTrainer(str(sft_path), train_dataset=train, eval_dataset=held_out[:64], max_steps=400, batch_size=32,
+                           learning_rate=1e-3, warmup_steps=10, mixed_precision="auto", output_dir=str(tmp_path / "rm"),
                            progress=False, logging_steps=20, center_rewards_coefficient=0.01).train()
     rm = load_reward_model(tmp_path / "rm" / "model")
     acc = reward_model_accuracy(rm, load_tokenizer(tmp_path / "rm" / "model"), held_out)

@@ -45,9 +45,30 @@ def test_dotted_overrides_are_typed_and_unknown_keys_rejected():
         load_pipeline_config(None, ["sft.max_stepz=7"])
 
 
-def test_an_algorithm_that_is_not_wired_yet_is_a_clear_config_error():
-    with pytest.raises(ConfigError, match="not wired into the pipeline yet"):
-        load_pipeline_config(None, ["policy_optimisation.algorithm=dpo"])
+def test_every_selectable_variant_has_a_config_section_and_a_registered_stage():
+    from typing import get_args
+
+    from verl_core.pipeline_config import PolicyAlgorithm, PreferenceMethod
+
+    for name in get_args(PolicyAlgorithm):
+        cfg = load_pipeline_config(None, [f"policy_optimisation.algorithm={name}"])
+        if name != "none":
+            assert stage_for(cfg, "policy_optimisation").name == f"policy_optimisation:{name}"
+    for method in get_args(PreferenceMethod):
+        assert stage_for(load_pipeline_config(None, [f"preference_data.method={method}"]), "preference_data").name == \
+            f"preference_data:{method}"
+    with pytest.raises(ConfigError, match="algorithm"):
+        load_pipeline_config(None, ["policy_optimisation.algorithm=reinforce"])
+
+
+def test_only_the_selected_algorithms_section_enters_the_policy_stage_key():
+    inputs = _inputs()
+    dpo = load_pipeline_config(None, ["policy_optimisation.algorithm=dpo"])
+    other_changed = load_pipeline_config(None, ["policy_optimisation.algorithm=dpo", "policy_optimisation.grpo.max_steps=99"])
+    own_changed = load_pipeline_config(None, ["policy_optimisation.algorithm=dpo", "policy_optimisation.dpo.beta=0.3"])
+    key = stage_key(dpo, "policy_optimisation", inputs)
+    assert stage_key(other_changed, "policy_optimisation", inputs) == key
+    assert stage_key(own_changed, "policy_optimisation", inputs) != key
 
 
 def test_stage_record_round_trips_through_json():
@@ -101,7 +122,7 @@ def test_given_outputs_skip_their_stage(tmp_path):
     model = tmp_path / "my-sft"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    cfg = load_pipeline_config(None, [f"sft.model_path={model}", "reward_model.enabled=false"])
+    cfg = load_pipeline_config(None, [f"sft.model_path={model}", "reward_model.enabled=false", "policy_optimisation.algorithm=none"])
     rec = given_record(cfg, "sft")
     assert rec.given and rec.output_path == str(model) and rec.fingerprint == fingerprint_path(model)
     assert given_record(cfg, "preference_data") is None

@@ -44,15 +44,23 @@ def make_problems(n: int, seed: int, max_operand: int = 20) -> list[Problem]:
     return [make_problem(rng, max_operand) for _ in range(n)]
 
 
-def wrong_answer(problem: Problem, rng: random.Random) -> int:
-    """A wrong answer off by 3 to 12, never the true one (near misses of 1 are too subtle
-    for a reward model of the default size to learn in a CPU minute)."""
-    delta = rng.choice([-1, 1]) * rng.randint(3, 12)
+NEAR_MISS = (3, 12)
+
+
+def wrong_answer(problem: Problem, rng: random.Random, offsets: tuple[int, int] = NEAR_MISS) -> int:
+    """A wrong answer off by ``offsets[0]`` to ``offsets[1]`` (default 3 to 12), never the true one.
+
+    The default keeps near misses of 1 out: they are too subtle for a reward model of the
+    default size to learn in a CPU minute. Evaluations that need headroom use (1, 2)."""
+    low, high = offsets
+    if not 1 <= low <= high:
+        raise ValueError(f"offsets must satisfy 1 <= low <= high, got {offsets}")
+    delta = rng.choice([-1, 1]) * rng.randint(low, high)
     return problem.answer + delta if problem.answer + delta >= 0 else problem.answer - delta
 
 
-def wrong_completion(problem: Problem, rng: random.Random) -> str:
-    w = wrong_answer(problem, rng)
+def wrong_completion(problem: Problem, rng: random.Random, offsets: tuple[int, int] = NEAR_MISS) -> str:
+    w = wrong_answer(problem, rng, offsets)
     left = problem.work.rsplit("=", 1)[0].strip()
     return f" {left} = {w}\n#### {w}"
 
@@ -97,10 +105,10 @@ def prompt_rows(n: int = 256) -> list[dict]:
     return [{"prompt": p.prompt, "ground_truth": str(p.answer)} for p in prompt_problems(n)]
 
 
-def preference_rows(problems: list[Problem], seed: int = 0) -> list[dict]:
-    """Correct answer chosen, a near-miss wrong answer rejected."""
+def preference_rows(problems: list[Problem], seed: int = 0, offsets: tuple[int, int] = NEAR_MISS) -> list[dict]:
+    """Correct answer chosen, a wrong answer off by ``offsets`` (a near miss) rejected."""
     rng = random.Random(seed)
-    return [{"prompt": p.prompt, "chosen": p.completion, "rejected": wrong_completion(p, rng)} for p in problems]
+    return [{"prompt": p.prompt, "chosen": p.completion, "rejected": wrong_completion(p, rng, offsets)} for p in problems]
 
 
 def corpus(n: int = 4000) -> list[str]:

@@ -24,6 +24,7 @@ from pydantic import Field, model_validator
 
 from verl_core.callbacks import Callback
 from verl_core.config import StrictConfig
+from verl_core.precision import allow_precision_change, resolve_mixed_precision
 
 log = logging.getLogger("verl_core")
 CHECKPOINT_PREFIX = "step-"
@@ -46,7 +47,8 @@ class TrainConfig(StrictConfig):
     batch_size: int = Field(16, ge=1, description="global batch per optimizer step: all processes and micro-batches")
     gradient_accumulation_steps: int = Field(1, ge=1)
     max_grad_norm: float | None = 1.0
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "no", description="'auto': bf16 where it is fast (GPU, or a CPU with AVX512-BF16/AMX), else no (fp32)")
     gradient_checkpointing: bool = False
     offload_optimizer: bool = Field(False, description="DeepSpeed ZeRO optimizer offload under `accelerate launch` with a DeepSpeed config; no effect in one CPU process")
     seed: int = 0
@@ -57,6 +59,11 @@ class TrainConfig(StrictConfig):
     logging_steps: int = Field(10, ge=1)
     eval_steps: int | None = Field(None, ge=1)
     progress: bool = True
+
+    @model_validator(mode="after")
+    def _resolve_precision(self):
+        self.__dict__["mixed_precision"] = resolve_mixed_precision(self.mixed_precision)
+        return self
 
     @model_validator(mode="after")
     def _one_length(self):
@@ -307,17 +314,6 @@ class Engine:
     def clear_checkpoints(self) -> None:
         if self.checkpoint_root is not None and self.is_main:
             shutil.rmtree(self.checkpoint_root, ignore_errors=True)
-
-
-def allow_precision_change(mixed_precision: str) -> None:
-    """accelerate keeps one process-wide ``AcceleratorState`` and refuses a second
-    ``Accelerator`` with another ``mixed_precision``; a later run in the same process (a
-    notebook, a pipeline, a test session) resets it, keeping the distributed ``PartialState``."""
-    from accelerate.state import AcceleratorState
-
-    previous = AcceleratorState._shared_state.get("_mixed_precision")
-    if previous is not None and previous != mixed_precision:
-        AcceleratorState._reset_state(reset_partial_state=False)
 
 
 def steps_for(config: TrainConfig, n_rows: int) -> int:

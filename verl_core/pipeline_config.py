@@ -21,12 +21,21 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from verl_core.algorithms.dpo import DPOConfig, ORPOConfig, SimPOConfig
+from verl_core.algorithms.grpo import GRPOConfig
+from verl_core.algorithms.online import KLKind
+from verl_core.algorithms.kto import KTOConfig
+from verl_core.algorithms.ppo import PPOConfig
 from verl_core.algorithms.reward_model import RewardConfig
 from verl_core.algorithms.sft import SFTConfig
+from verl_core.preference_data import PreferenceDataConfig
+from verl_core.rewards.model import RewardSourceConfig
+from verl_core.rollout import SamplingParams
 from verl_core.config import ConfigError, StrictConfig
 
 PolicyAlgorithm = Literal["dpo", "kto", "simpo", "orpo", "ppo", "grpo", "rloo", "none"]
 PreferenceMethod = Literal["bundled", "sample_and_score"]
+EXACT_MATCH = {"exact_match": 1.0}
 STAGE_ORDER = ("sft", "preference_data", "reward_model", "policy_optimisation", "evaluation")
 
 
@@ -51,20 +60,36 @@ class SFTStageConfig(SFTConfig):
     warmup_steps: int = Field(20, ge=0)
     logging_steps: int = Field(25, ge=1)
     save_steps: int | None = Field(50, ge=1)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+
+
+class SampleAndScoreConfig(PreferenceDataConfig):
+    """Sampling and pairing for ``preference_data.method: sample_and_score``."""
+
+    n_samples: int = Field(4, ge=2)
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_new_tokens=24))
+    reward: RewardSourceConfig = Field(default_factory=lambda: RewardSourceConfig(reward_rules=dict(EXACT_MATCH)))
+    tie_break: Literal["sample_order", "logprob"] = "logprob"
+    outputs: list[Literal["pairs", "unpaired", "best_of_n"]] = Field(default_factory=lambda: ["pairs", "unpaired"])
+    formats: list[Literal["arrow", "parquet"]] = Field(default_factory=lambda: ["arrow"])
+    progress: bool = False
 
 
 class PreferenceDataStageConfig(StrictConfig):
     """Preference pairs (prompt, chosen, rejected); skipped when ``path`` is given.
 
     ``bundled``: the arithmetic task's pairs (correct answer chosen, a near miss
-    rejected). ``sample_and_score``: sample completions from the SFT policy and pair them
-    by score (not wired yet).
+    rejected). ``sample_and_score``: sample ``n_samples`` completions per prompt from the
+    SFT policy, score them (rules, and the reward model when ``use_reward_model``), pair
+    best against worst (see :mod:`verl_core.preference_data`).
     """
 
     path: str | None = Field(None, description="pairs to use instead of generating them (file or folder)")
     method: PreferenceMethod = "bundled"
     num_prompts: int = Field(512, ge=1)
     seed: int = 0
+    prompts: DataSource = Field(default_factory=DataSource, description="sample_and_score: prompts (null path = bundled)")
+    sample_and_score: SampleAndScoreConfig = Field(default_factory=lambda: SampleAndScoreConfig())
 
     @model_validator(mode="after")
     def _wired(self):
@@ -84,18 +109,94 @@ class RewardModelStageConfig(RewardConfig):
     learning_rate: float = Field(1e-3, gt=0)
     logging_steps: int = Field(10, ge=1)
     save_steps: int | None = Field(20, ge=1)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+
+
+# Policy-optimisation sub-sections: each algorithm's trainer config with defaults sized for the
+# embedded default on a CPU (a user's model overrides them in YAML).
+class DPOStageConfig(DPOConfig):
+    max_steps: int | None = Field(30, ge=1)
+    beta: float = Field(0.5, gt=0)
+    learning_rate: float = Field(1e-5, gt=0)
+    save_steps: int | None = Field(10, ge=1)
+
+
+class KTOStageConfig(KTOConfig):
+    max_steps: int | None = Field(30, ge=1)
+    beta: float = Field(0.5, gt=0)
+    learning_rate: float = Field(1e-5, gt=0)
+    save_steps: int | None = Field(10, ge=1)
+
+
+class SimPOStageConfig(SimPOConfig):
+    max_steps: int | None = Field(30, ge=1)
+    simpo_gamma: float = 0.5
+    learning_rate: float = Field(1e-5, gt=0)
+    save_steps: int | None = Field(10, ge=1)
+
+
+class ORPOStageConfig(ORPOConfig):
+    max_steps: int | None = Field(30, ge=1)
+    learning_rate: float = Field(3e-4, gt=0)
+    save_steps: int | None = Field(10, ge=1)
+
+
+class PPOStageConfig(PPOConfig):
+    reward_rules: dict[str, float] | None = Field(default_factory=lambda: dict(EXACT_MATCH))
+    max_steps: int = Field(20, ge=1)
+    batch_size: int = Field(64, ge=1)
+    mini_batch_size: int | None = Field(32, ge=1)
+    ppo_epochs: int = Field(2, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    max_new_tokens: int = Field(24, ge=1)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    save_steps: int | None = Field(5, ge=1)
+
+
+class GRPOStageConfig(GRPOConfig):
+    reward_rules: dict[str, float] | None = Field(default_factory=lambda: dict(EXACT_MATCH))
+    max_steps: int = Field(20, ge=1)
+    batch_size: int = Field(64, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    max_new_tokens: int = Field(24, ge=1)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    save_steps: int | None = Field(5, ge=1)
+
+
+class RLOOStageConfig(GRPOStageConfig):
+    """GRPO's stage defaults with RLOO's estimator (:class:`~verl_core.algorithms.grpo.RLOOConfig`)."""
+
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp"] = "rloo"
+    kl_estimator: KLKind = "k1"
+    kl_in: Literal["reward", "loss"] = "reward"
+
+
+OFFLINE_ALGORITHMS = ("dpo", "kto", "simpo", "orpo")
+ONLINE_ALGORITHMS = ("ppo", "grpo", "rloo")
 
 
 class PolicyOptimisationStageConfig(StrictConfig):
     """Policy optimisation of the SFT policy; ``algorithm: none`` keeps the SFT policy.
 
-    Each algorithm, once wired, has a sub-section named like it holding its trainer
-    config (e.g. ``dpo: DPOConfig``); only the chosen one enters the cache key.
+    Each algorithm has a sub-section named like it holding its trainer config
+    (``policy_optimisation.dpo.beta``); only the chosen one enters the cache key.
+    Offline algorithms (DPO, KTO, SimPO, ORPO) train on the preference-data stage's pairs;
+    online ones (PPO, GRPO, RLOO) sample from ``prompts`` and score with their
+    ``reward_rules`` (default exact match against the ground truth) plus, when
+    ``use_reward_model``, the pipeline's reward model.
     """
 
-    algorithm: PolicyAlgorithm = "none"
+    algorithm: PolicyAlgorithm = "grpo"
     model_path: str | None = Field(None, description="a policy folder to evaluate instead of training one")
     prompts: DataSource = Field(default_factory=DataSource, description="prompts for online algorithms (PPO, GRPO, ...)")
+    use_reward_model: bool = Field(False, description="online algorithms: add the reward-model stage's score to the reward")
+    dpo: DPOStageConfig = Field(default_factory=lambda: DPOStageConfig())
+    kto: KTOStageConfig = Field(default_factory=lambda: KTOStageConfig())
+    simpo: SimPOStageConfig = Field(default_factory=lambda: SimPOStageConfig())
+    orpo: ORPOStageConfig = Field(default_factory=lambda: ORPOStageConfig())
+    ppo: PPOStageConfig = Field(default_factory=lambda: PPOStageConfig())
+    grpo: GRPOStageConfig = Field(default_factory=lambda: GRPOStageConfig())
+    rloo: RLOOStageConfig = Field(default_factory=lambda: RLOOStageConfig())
 
     @model_validator(mode="after")
     def _wired(self):

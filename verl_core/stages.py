@@ -508,3 +508,7 @@ def plot_report(table: list[dict], curves: dict[str, dict[str, list]], path: Pat
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+# Stages with variants that train or sample from the SFT policy register themselves on import.
+from verl_core import policy_stages  # noqa: E402,F401

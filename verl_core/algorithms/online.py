@@ -46,11 +46,11 @@ from verl_core.losses.masked import masked_mean
 from verl_core.losses.policy import AdaptiveKLController, FixedKLController, aggregate, kl_penalty, ppo_policy_loss
 from verl_core.models import save_pretrained_atomic
 from verl_core.policies import LLMPolicy
+from verl_core.precision import AUTOCAST_DTYPES, allow_precision_change
 from verl_core.rewards.model import RewardModel, RewardSource, RewardSourceConfig, UserRewards
 from verl_core.rollout import HFRolloutBackend, RolloutBackend, RolloutBatch, SamplingParams, decode_responses
 
 KLKind = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"]
-_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class OnlineConfig(TrainConfig, RewardSourceConfig):
@@ -182,7 +182,7 @@ class OnlineTrainer:
     def train(self) -> TrainResult:
         c = self.config
         updates = c.ppo_epochs * (c.batch_size // self.mini_batch_size)
-        _allow_precision_change(c.mixed_precision)
+        allow_precision_change(c.mixed_precision)
         self.engine = engine = Engine(self.module, c, self.callbacks, total_steps=c.max_steps * updates)
         acc = engine.accelerator
         if (c.batch_size // c.num_generations) % acc.num_processes or self.mini_batch_size % (acc.num_processes * c.gradient_accumulation_steps):
@@ -192,11 +192,11 @@ class OnlineTrainer:
         if self.reference is not None:
             self.reference.to(acc.device)
         if self.rewards.reward_model is not None:
-            self.rewards.reward_model.to(acc.device).autocast_dtype = _AUTOCAST.get(c.mixed_precision)
+            self.rewards.reward_model.to(acc.device).autocast_dtype = AUTOCAST_DTYPES.get(c.mixed_precision)
         lm = self.policy_lm(engine.unwrapped)
         if self.backend is None:
             tok = self.policy.tokenizer
-            self.backend = HFRolloutBackend(lm, tok.eos_token_id, tok.pad_token_id, _AUTOCAST.get(c.mixed_precision))
+            self.backend = HFRolloutBackend(lm, tok.eos_token_id, tok.pad_token_id, AUTOCAST_DTYPES.get(c.mixed_precision))
         start = engine.maybe_resume() // updates
         history = HistoryCallback()
         callbacks = self.callbacks + [history]
@@ -374,17 +374,6 @@ class OnlineTrainer:
         metrics.update(extra_metrics)
         units = mask.sum() if c.loss_agg == "token-mean" else (mask.sum(-1) > 0).sum()
         return LossOutput(loss_sum=total * units, count=units.item(), metrics=metrics)
-
-
-def _allow_precision_change(mixed_precision: str) -> None:
-    """accelerate keeps one process-wide ``AcceleratorState`` and refuses a second ``Accelerator`` with
-    another ``mixed_precision``; a later run in the same process (a notebook, two configs in one
-    script) resets that state. The distributed ``PartialState`` is kept."""
-    from accelerate.state import AcceleratorState
-
-    state = AcceleratorState._shared_state
-    if state and state.get("_mixed_precision", mixed_precision) != mixed_precision:
-        AcceleratorState._reset_state(reset_partial_state=False)
 
 
 def lm_response_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -39,6 +39,7 @@ from verl_core.engine import Engine, TrainConfig
 from verl_core.logprobs import model_token_logprobs
 from verl_core.losses.preference import sequence_logps
 from verl_core.models import LoraSettings, is_peft, load_causal_lm
+from verl_core.precision import allow_precision_change
 
 REF_KEY = "ref_logps"
 
@@ -75,19 +76,6 @@ def pair_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
     }
 
 
-def _release_precision_lock(mixed_precision: str) -> None:
-    """Let a run in a process that already ran another ``mixed_precision`` start.
-
-    accelerate keeps one process-wide ``AcceleratorState`` and rejects an ``Accelerator``
-    with a different precision; forget it (keeping the distributed ``PartialState``).
-    """
-    from accelerate.state import AcceleratorState
-
-    previous = AcceleratorState._shared_state.get("_mixed_precision")
-    if previous is not None and previous != mixed_precision:
-        AcceleratorState._reset_state(reset_partial_state=False)
-
-
 class PreferenceTrainer(OfflineTrainer):
     """An :class:`OfflineTrainer` with a reference model (see the module docstring).
 
@@ -109,7 +97,7 @@ class PreferenceTrainer(OfflineTrainer):
         self.ref_model = self._resolve_reference(ref_model)
 
     def train(self):
-        _release_precision_lock(self.config.mixed_precision)
+        allow_precision_change(self.config.mixed_precision)
         return super().train()
 
     # -- which reference ---------------------------------------------------------------------

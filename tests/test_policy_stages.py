@@ -1,0 +1,68 @@
+"""Every policy-optimisation algorithm and sample-and-score preference data as pipeline stages
+(without Prefect): each trains from the SFT record into its stage folder and hands on a model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from verl_core.models import load_causal_lm
+from verl_core.pipeline_config import OFFLINE_ALGORITHMS, ONLINE_ALGORITHMS, load_pipeline_config
+from verl_core.stages import StageRecord, fingerprint_path, run_stage
+
+
+def record(stage: str, path: Path) -> StageRecord:
+    return StageRecord(stage=stage, output_path=str(path), fingerprint=fingerprint_path(path))
+
+
+@pytest.fixture(scope="module")
+def pairs_record(tmp_path_factory) -> StageRecord:
+    cfg = load_pipeline_config(None, [f"workdir={tmp_path_factory.mktemp('pairs')}", "preference_data.num_prompts=16"])
+    return run_stage(cfg, "preference_data", {}).record
+
+
+def tiny_run(tmp: Path, algorithm: str) -> list[str]:
+    common = ["max_steps=2", "progress=false", "save_steps=1"]
+    sizes = ["batch_size=4"] if algorithm in OFFLINE_ALGORITHMS else ["batch_size=8", "max_new_tokens=24"]
+    if algorithm == "ppo":
+        sizes.append("mini_batch_size=4")
+    if algorithm in ("grpo", "rloo"):
+        sizes.append("num_generations=4")
+    return [f"workdir={tmp}", f"policy_optimisation.algorithm={algorithm}", "policy_optimisation.prompts.limit=16",
+            *(f"policy_optimisation.{algorithm}.{kv}" for kv in common + sizes)]
+
+
+@pytest.mark.parametrize("algorithm", OFFLINE_ALGORITHMS + ONLINE_ALGORITHMS)
+def test_each_algorithm_runs_as_the_policy_stage_and_changes_the_sft_weights(algorithm, sft_path, pairs_record, tmp_path):
+    cfg = load_pipeline_config(None, tiny_run(tmp_path, algorithm))
+    sft = record("sft", sft_path)
+    result = run_stage(cfg, "policy_optimisation", {"sft": sft, "preference_data": pairs_record})
+    rec = result.record
+    assert rec.stage == "policy_optimisation" and rec.variant == algorithm
+    assert rec.extra["steps"] == 2 and not (Path(rec.output_path).parent / "checkpoints").exists()
+    assert rec.fingerprint != sft.fingerprint
+    before = dict(load_causal_lm(sft_path, trainable=False).named_parameters())
+    after = dict(load_causal_lm(rec.output_path, trainable=False).named_parameters())
+    assert any(not after[k].equal(before[k]) for k in before), "training did not change the policy"
+    assert run_stage(cfg, "policy_optimisation", {"sft": sft, "preference_data": pairs_record}).reused
+
+
+def test_online_stage_with_use_reward_model_requires_the_reward_model_record(tiny_path, tmp_path):
+    from verl_core.config import ConfigError
+
+    cfg = load_pipeline_config(None, tiny_run(tmp_path, "grpo") + ["policy_optimisation.use_reward_model=true"])
+    with pytest.raises(ConfigError, match="reward_model"):
+        run_stage(cfg, "policy_optimisation", {"sft": record("sft", tiny_path)})
+
+
+def test_sample_and_score_stage_pairs_correct_over_wrong_answers_of_the_sft_policy(sft_path, tmp_path):
+    cfg = load_pipeline_config(None, [f"workdir={tmp_path}", "preference_data.method=sample_and_score",
+                                      "preference_data.num_prompts=32", "preference_data.sample_and_score.n_samples=4"])
+    result = run_stage(cfg, "preference_data", {"sft": record("sft", sft_path)})
+    from verl_core.stages import preference_rows_of
+
+    pairs = preference_rows_of(result.record)
+    assert result.record.variant == "sample_and_score" and result.record.metrics["pairs"] == len(pairs) > 0
+    gt = {r["prompt"]: r["ground_truth"] for r in pairs}
+    assert all(r["chosen_score"] > r["rejected_score"] for r in pairs)
+    assert all(r["chosen"].strip().endswith(gt[r["prompt"]]) for r in pairs), "chosen must be the correct answer"

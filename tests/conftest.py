@@ -37,7 +37,7 @@ def tiny_path() -> Path:
 @pytest.fixture(scope="session")
 def sft_path(tiny_path, session_tmp) -> Path:
     """The default model after 900 SFT steps on the bundled task: exact match ~0.5 on held-out
-    problems (room to improve), ~110 s on 2 cores in fp32 (``mixed_precision="auto"``).
+    problems (room to improve), ~110 s on 2 cores in fp32 (``mixed_precision="no"``).
 
     Two phases (300 steps of cosine from 3e-3, then 600 at a constant 2e-3), the recipe of
     bench/online_rl.py.
@@ -46,7 +46,7 @@ def sft_path(tiny_path, session_tmp) -> Path:
     from verl_core.algorithms.sft import SFTTrainer
 
     out = session_tmp / "sft"
-    common = dict(train_dataset=arithmetic.sft_rows(2000), batch_size=32, mixed_precision="auto", progress=False,
+    common = dict(train_dataset=arithmetic.sft_rows(2000), batch_size=32, mixed_precision="no", progress=False,
                   logging_steps=100)
     SFTTrainer(str(tiny_path), max_steps=300, learning_rate=3e-3, warmup_steps=20, output_dir=str(out / "phase1"),
                **common).train()

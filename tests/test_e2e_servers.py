@@ -41,6 +41,7 @@ def tiny_params(workdir: Path) -> dict:
         "sft": {"max_steps": 10, "batch_size": 8, "save_steps": 5, "logging_steps": 5, "progress": False},
         "preference_data": {"num_prompts": 40},
         "reward_model": {"max_steps": 5, "batch_size": 8, "save_steps": 5, "logging_steps": 5, "progress": False},
+        "policy_optimisation": {"algorithm": "dpo", "dpo": {"max_steps": 3, "batch_size": 8, "save_steps": 2, "progress": False}},
         "evaluation": {"num_rows": 10, "max_new_tokens": 8},
     }}
 
@@ -84,7 +85,7 @@ def test_deployed_pipeline_runs_on_local_servers_and_logs_to_mlflow(tmp_path):
         tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
         parents = [t for t in tags if "mlflow.parentRunId" not in t]
         stages = sorted(t["verl_core.stage"] for t in tags if "verl_core.stage" in t)
-        assert len(parents) == 1 and stages == ["evaluation", "preference_data", "reward_model", "sft"]
+        assert len(parents) == 1 and stages == ["evaluation", "policy_optimisation", "preference_data", "reward_model", "sft"]
         assert {r["info"]["status"] for r in runs} == {"FINISHED"}
         assert mlflow_api(mlflow_url, "registered-models/get?name=verl-core-policy")["registered_model"]["name"] == "verl-core-policy"
     finally:

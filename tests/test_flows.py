@@ -1,7 +1,9 @@
 """The pipeline as Prefect flows (test harness) tracked in a temporary MLflow SQLite store.
 
-One SFT run (150 steps) for the whole module: later tests change only cheaper stages,
-and the cache carries SFT over.
+The pipeline's base model is the session's SFT fixture (900 steps, exact match ~0.5), so
+the module's own SFT stage is a short continuation (20 steps) and PPO (40 rollout steps)
+has a policy it can improve in a CPU minute. Later tests change only cheaper stages, and
+the cache carries the rest over.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from verl_core.pipeline_config import PipelineConfig, load_pipeline_config
 from verl_core.stages import FAULT_ENV, run_stage
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAINED = ("sft", "preference_data", "reward_model", "evaluation")
+TRAINED = ("sft", "preference_data", "reward_model", "policy_optimisation", "evaluation")
 
 
 @pytest.fixture(scope="session")
@@ -26,21 +28,25 @@ def prefect_harness():
         yield
 
 
-def tiny_config(tmp: Path, *overrides: str) -> PipelineConfig:
+def tiny_config(tmp: Path, base_model: Path, *overrides: str) -> PipelineConfig:
     return load_pipeline_config(ROOT / "configs" / "default.yaml", [
-        f"workdir={tmp / 'work'}", f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}",
-        "sft.max_steps=150", "sft.batch_size=16", "sft.save_steps=50", "sft.progress=false",
+        f"workdir={tmp / 'work'}", f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}", f"base_model={base_model}",
+        "sft.max_steps=20", "sft.learning_rate=1e-4", "sft.logging_steps=5", "sft.save_steps=10", "sft.progress=false",
         "reward_model.max_steps=60", "reward_model.save_steps=20", "reward_model.progress=false",
-        "preference_data.num_prompts=256", "evaluation.num_rows=64", "orchestration.retry_delay_seconds=1",
+        "policy_optimisation.algorithm=ppo", "policy_optimisation.ppo.progress=false",
+        "policy_optimisation.dpo.progress=false",
+        # fp32 everywhere: the measured numbers hold on any CPU (``auto`` picks bf16 where it is fast)
+        "sft.mixed_precision=no", "reward_model.mixed_precision=no", "policy_optimisation.ppo.mixed_precision=no",
+        "preference_data.num_prompts=256", "evaluation.num_rows=200", "orchestration.retry_delay_seconds=1",
         *overrides])
 
 
 @pytest.fixture(scope="module")
-def first(prefect_harness, tmp_path_factory):
+def first(prefect_harness, tmp_path_factory, sft_path):
     from flows import rlhf_pipeline
 
     tmp = tmp_path_factory.mktemp("flows")
-    cfg = tiny_config(tmp)
+    cfg = tiny_config(tmp, sft_path)
     start = time.monotonic()
     result = rlhf_pipeline(cfg)
     return cfg, result, time.monotonic() - start
@@ -67,12 +73,13 @@ def task_runs(flow_run_id: str):
     return {r.name.rsplit("-", 1)[0]: r for r in runs}
 
 
-def test_pipeline_runs_end_to_end_and_final_policy_is_at_least_as_accurate_as_sft(first):
+def test_pipeline_runs_end_to_end_and_the_final_policy_beats_the_sft_policy(first):
     cfg, result, _ = first
     assert result.states == {"base": "Given", "sft": "Completed", "preference_data": "Completed",
-                             "reward_model": "Completed", "policy_optimisation": "Skipped", "evaluation": "Completed"}
+                             "reward_model": "Completed", "policy_optimisation": "Completed", "evaluation": "Completed"}
     m = result.records["evaluation"].metrics
-    assert m["accuracy/final"] >= m["accuracy/sft"]
+    print(f"held-out exact match: sft {m['accuracy/sft']:.3f} -> final (ppo) {m['accuracy/final']:.3f}")
+    assert m["accuracy/final"] > m["accuracy/sft"]  # measured 0.495 -> 0.57 with the same PPO settings
     assert {"reward_score/final", "reward_score/sft", "accuracy/base"} <= set(m)
     assert [row["policy"] for row in result.evaluation_table] == ["base", "sft", "final"]
     assert (Path(result.records["evaluation"].output_path) / "accuracy.png").stat().st_size > 1000
@@ -83,7 +90,7 @@ def test_mlflow_holds_one_parent_and_one_nested_run_per_stage_and_the_registered
     c = mlflow_client(cfg)
     parent = c.get_run(result.mlflow_run_id)
     assert parent.info.status == "FINISHED" and "mlflow.parentRunId" not in parent.data.tags
-    assert parent.data.params["sft.max_steps"] == "150"
+    assert parent.data.params["sft.max_steps"] == "20"
     runs = {r.data.tags["verl_core.stage"]: r for r in children(cfg, result.mlflow_run_id)}
     assert sorted(runs) == sorted(TRAINED) and len(children(cfg, result.mlflow_run_id)) == len(TRAINED)
     for name, run in runs.items():
@@ -91,7 +98,7 @@ def test_mlflow_holds_one_parent_and_one_nested_run_per_stage_and_the_registered
         assert run.data.tags["prefect.flow_run_id"] == result.flow_run_id
         assert result.records[name].mlflow_run_id == run.info.run_id
     sft_loss = c.get_metric_history(runs["sft"].info.run_id, "loss")
-    assert len(sft_loss) == 150 // cfg.sft.logging_steps  # per-step curve from MLflowCallback
+    assert len(sft_loss) == 20 // cfg.sft.logging_steps  # per-step curve from MLflowCallback
     assert {d.dataset.name for d in runs["sft"].inputs.dataset_inputs} == {"sft-train"}
     assert {d.dataset.name for d in runs["reward_model"].inputs.dataset_inputs} == {"rm-train", "rm-eval"}
     assert "accuracy.png" in {a.path for a in c.list_artifacts(runs["evaluation"].info.run_id)}
@@ -126,11 +133,16 @@ def test_changing_one_stage_reruns_it_and_downstream_only(first):
     from flows import rlhf_pipeline
 
     cfg, result, _ = first
+    # PPO scores with rules only (use_reward_model: false), so it does not depend on the reward model.
     changed = rlhf_pipeline(cfg.updated(reward_model={**cfg.reward_model.model_dump(), "learning_rate": 5e-4}))
-    assert [changed.states[s] for s in TRAINED] == ["Cached", "Cached", "Completed", "Completed"]
+    assert [changed.states[s] for s in TRAINED] == ["Cached", "Cached", "Completed", "Cached", "Completed"]
+    # Another algorithm: only the policy stage and the evaluation run.
+    dpo = rlhf_pipeline(cfg.updated(policy_optimisation={**cfg.policy_optimisation.model_dump(), "algorithm": "dpo"}))
+    assert [dpo.states[s] for s in TRAINED] == ["Cached", "Cached", "Cached", "Completed", "Completed"]
+    assert dpo.records["policy_optimisation"].variant == "dpo"
     # A given SFT folder with the same content keys downstream stages like the trained one.
     given = rlhf_pipeline(cfg.updated(sft={**cfg.sft.model_dump(), "model_path": result.records["sft"].output_path}))
-    assert [given.states[s] for s in TRAINED] == ["Given", "Cached", "Cached", "Cached"]
+    assert [given.states[s] for s in TRAINED] == ["Given", "Cached", "Cached", "Cached", "Cached"]
 
 
 def test_injected_fault_is_retried_and_the_retry_resumes_from_the_checkpoint(first, monkeypatch):
@@ -139,7 +151,7 @@ def test_injected_fault_is_retried_and_the_retry_resumes_from_the_checkpoint(fir
     cfg, _, _ = first
     monkeypatch.setenv(FAULT_ENV, "reward_model")  # raises once, right after the step-20 checkpoint
     result = rlhf_pipeline(cfg.updated(reward_model={**cfg.reward_model.model_dump(), "seed": 1, "max_steps": 40}))
-    assert [result.states[s] for s in TRAINED] == ["Cached", "Cached", "Completed", "Completed"]
+    assert [result.states[s] for s in TRAINED] == ["Cached", "Cached", "Completed", "Cached", "Completed"]
     assert result.records["reward_model"].extra["resumed_from_step"] == 20
     assert task_runs(result.flow_run_id)["reward_model"].run_count == 2
     rm_runs = [r for r in children(cfg, result.mlflow_run_id) if r.data.tags["verl_core.stage"] == "reward_model"]
@@ -184,6 +196,6 @@ def test_a_cached_stage_whose_output_folder_vanished_is_computed_again(first):
     evaluation = result.records["evaluation"]
     shutil.rmtree(evaluation.output_path)
     again = rlhf_pipeline(cfg)
-    assert [again.states[s] for s in TRAINED] == ["Cached", "Cached", "Cached", "Completed"]
+    assert [again.states[s] for s in TRAINED] == ["Cached", "Cached", "Cached", "Cached", "Completed"]
     assert Path(evaluation.output_path).is_dir()
     assert again.records["evaluation"].fingerprint == evaluation.fingerprint  # evaluation is deterministic

@@ -85,7 +85,7 @@ def test_pairs_respect_margin_and_train_a_reward_model(sft_path, tmp_path):
 
     held_out = arithmetic.preference_rows(arithmetic.eval_problems(200), seed=1)
     trained = RewardTrainer(str(sft_path), train_dataset=str(result.paths["pairs_parquet"]), max_steps=150,
-                            batch_size=16, learning_rate=1e-3, warmup_steps=10, mixed_precision="auto",
+                            batch_size=16, learning_rate=1e-3, warmup_steps=10, mixed_precision="no",
                             output_dir=str(tmp_path / "rm"), progress=False, logging_steps=50,
                             center_rewards_coefficient=0.01, seed=0).train()
     rm = load_reward_model(tmp_path / "rm" / "model")

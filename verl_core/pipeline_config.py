@@ -54,12 +54,13 @@ class SFTStageConfig(SFTConfig):
 
     model_path: str | None = Field(None, description="an SFT policy folder to use instead of training one")
     data: DataSource = Field(default_factory=DataSource)
-    max_steps: int | None = Field(300, ge=1)
+    max_steps: int | None = Field(900, ge=1)
     batch_size: int = Field(32, ge=1)
-    learning_rate: float = Field(3e-3, gt=0)
+    learning_rate: float = Field(2e-3, gt=0)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(20, ge=0)
-    logging_steps: int = Field(25, ge=1)
-    save_steps: int | None = Field(50, ge=1)
+    logging_steps: int = Field(50, ge=1)
+    save_steps: int | None = Field(100, ge=1)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
 
 
@@ -143,9 +144,9 @@ class ORPOStageConfig(ORPOConfig):
 
 class PPOStageConfig(PPOConfig):
     reward_rules: dict[str, float] | None = Field(default_factory=lambda: dict(EXACT_MATCH))
-    max_steps: int = Field(20, ge=1)
-    batch_size: int = Field(64, ge=1)
-    mini_batch_size: int | None = Field(32, ge=1)
+    max_steps: int = Field(40, ge=1)
+    batch_size: int = Field(128, ge=1)
+    mini_batch_size: int | None = Field(64, ge=1)
     ppo_epochs: int = Field(2, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
     max_new_tokens: int = Field(24, ge=1)
@@ -186,7 +187,7 @@ class PolicyOptimisationStageConfig(StrictConfig):
     ``use_reward_model``, the pipeline's reward model.
     """
 
-    algorithm: PolicyAlgorithm = "grpo"
+    algorithm: PolicyAlgorithm = "ppo"
     model_path: str | None = Field(None, description="a policy folder to evaluate instead of training one")
     prompts: DataSource = Field(default_factory=DataSource, description="prompts for online algorithms (PPO, GRPO, ...)")
     use_reward_model: bool = Field(False, description="online algorithms: add the reward-model stage's score to the reward")

@@ -123,14 +123,14 @@ def test_ppo_raises_held_out_accuracy(sft_path):
     from verl_core.algorithms.ppo import PPOTrainer
     from verl_core.policies import LLMPolicy
 
-    eval_rows = arithmetic.eval_rows(100)
+    eval_rows = arithmetic.eval_rows(200)
     before = competent_or_skip(sft_path, eval_rows)
     trainer = PPOTrainer(policy=LLMPolicy.from_pretrained(str(sft_path)), prompts=arithmetic.prompt_rows(2048),
                          eval_prompts=eval_rows, reward_rules={"exact_match": 1.0}, learning_rate=1e-4, batch_size=128,
-                         mini_batch_size=64, ppo_epochs=2, max_steps=20, kl_coef=0.05, max_new_tokens=24,
+                         mini_batch_size=64, ppo_epochs=2, max_steps=40, kl_coef=0.05, max_new_tokens=24,
                          mixed_precision="no", progress=False, logging_steps=10)
     after = trainer.train().metrics["eval/accuracy"]
-    assert after >= before + 0.05, (before, after)
+    assert after >= before + 0.05, (before, after)  # bench/online_rl.py, same settings: 0.495 -> 0.620 in 56 s
 
 
 def test_a_resumed_run_continues_exactly(sft_path, tmp_path):

@@ -61,7 +61,7 @@ def test_table_reports_ratios_misses_and_errors():
 def test_smoke_run_of_our_side(tmp_path):
     out = tmp_path / "latest.md"
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "run_all.py"), "--quick", "--small", "--no-trl", "--threads", "1",
+        [sys.executable, str(BENCH / "run_all.py"), "--quick", "--small", "--no-trl", "--threads", "1", "--dtype", "fp32",
          "--only", "sft,dpo", "--out", str(out)],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a target missed, never a failure

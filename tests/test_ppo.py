@@ -99,15 +99,17 @@ def test_adaptive_kl_coefficient_moves_toward_the_target(sft_path):
     assert result.history["kl_coef"][-1][1] < 0.2  # KL far below target -> beta shrinks
 
 
-def competent_or_skip(sft_path, eval_rows) -> float:
-    """Greedy exact match of ``sft_path``; skip when it is too weak for RL to sharpen (see test_grpo.py)."""
+def competent_sft_accuracy(sft_path, eval_rows) -> float:
+    """Greedy exact match of ``sft_path``, which must be a base RL can sharpen within a CPU minute.
+
+    Measured on the bundled task: from SFT policies that solve 13-36% (300-600 steps) neither GRPO
+    nor PPO improved held-out accuracy within minutes of CPU; the 900-step fixture solves ~0.5.
+    """
     from verl_core.evaluation import answer_accuracy
     from verl_core.models import load_causal_lm, load_tokenizer
 
     acc = answer_accuracy(load_causal_lm(sft_path), load_tokenizer(sft_path), eval_rows)
-    if acc < 0.4:
-        pytest.skip(f"the sft_path fixture solves {acc:.2f} of eval_rows(100); RL needs a base that solves >= 0.4 "
-                    "(bench/online_rl.py's 900-step SFT recipe) to improve within a CPU minute")
+    assert acc >= 0.4, f"the sft_path fixture solves only {acc:.2f} of the held-out rows; RL needs >= 0.4"
     return acc
 
 
@@ -124,7 +126,7 @@ def test_ppo_raises_held_out_accuracy(sft_path):
     from verl_core.policies import LLMPolicy
 
     eval_rows = arithmetic.eval_rows(200)
-    before = competent_or_skip(sft_path, eval_rows)
+    before = competent_sft_accuracy(sft_path, eval_rows)
     trainer = PPOTrainer(policy=LLMPolicy.from_pretrained(str(sft_path)), prompts=arithmetic.prompt_rows(2048),
                          eval_prompts=eval_rows, reward_rules={"exact_match": 1.0}, learning_rate=1e-4, batch_size=128,
                          mini_batch_size=64, ppo_epochs=2, max_steps=40, kl_coef=0.05, max_new_tokens=24,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from verl_core.callbacks import Callback
 from verl_core.config import StrictConfig
@@ -59,6 +59,12 @@ class TrainConfig(StrictConfig):
     logging_steps: int = Field(10, ge=1)
     eval_steps: int | None = Field(None, ge=1)
     progress: bool = True
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value):
+        # YAML 1.1 reads a bare `no` as False
+        return "no" if value is False else value
 
     @model_validator(mode="after")
     def _resolve_precision(self):

@@ -57,8 +57,9 @@ def test_pairs_respect_margin_and_train_a_reward_model(sft_path, tmp_path):
 
     The 0.8 held-out accuracy that the bundled pairs reach is NOT reached: the rejected samples are the
     policy's own mistakes (mostly off by 1-4 and likely under the policy), far harder negatives than the
-    bundled random misses. Measured with a 150-step run: 0.54-0.60 breaking ties by sample order, 0.65-0.68
-    by log-prob (512-1024 prompts); 400 steps did not help. So the bar here is "clearly learnable".
+    bundled random misses. Measured on the earlier, weaker bf16 fixture with a 150-step run: 0.54-0.60
+    breaking ties by sample order, 0.65-0.68 by log-prob (512-1024 prompts); 400 steps did not help.
+    Not yet re-measured on the 900-step fp32 fixture. So the bar here is "clearly learnable".
     """
     from verl_core.algorithms.reward_model import RewardTrainer
     from verl_core.evaluation import reward_model_accuracy

@@ -40,17 +40,24 @@ def answer_accuracy(model, tokenizer, rows: Any, reward: str = "exact_match", ma
 @torch.no_grad()
 def preference_accuracy(model, tokenizer, rows: Any, batch_size: int = 64, max_length: int = 512) -> float:
     """Fraction of pairs where the policy gives the chosen completion a higher summed log-prob."""
+    margins = preference_margins(model, tokenizer, rows, batch_size, max_length)
+    return float((margins > 0).float().mean())
+
+
+@torch.no_grad()
+def preference_margins(model, tokenizer, rows: Any, batch_size: int = 64, max_length: int = 512) -> torch.Tensor:
+    """Per pair ``log π(chosen|prompt) − log π(rejected|prompt)`` (summed completion log-probs), [N]."""
     was_training = model.training
     model.eval()
     examples = tokenize_pairs(rows, tokenizer, max_length)
-    wins = 0
+    out = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
         batch = collate_pairs(chunk, tokenizer.pad_token_id)
         lp = (model_token_logprobs(model, batch) * batch["loss_mask"]).sum(-1)
-        wins += int((lp[: len(chunk)] > lp[len(chunk):]).sum())
+        out.append((lp[: len(chunk)] - lp[len(chunk):]).float())
     model.train(was_training)
-    return wins / len(examples)
+    return torch.cat(out)
 
 
 @torch.no_grad()

@@ -37,7 +37,6 @@ def answer_accuracy(model, tokenizer, rows: Any, reward: str = "exact_match", ma
     return sum(scores) / len(scores)
 
 
-@torch.no_grad()
 def preference_accuracy(model, tokenizer, rows: Any, batch_size: int = 64, max_length: int = 512) -> float:
     """Fraction of pairs where the policy gives the chosen completion a higher summed log-prob."""
     margins = preference_margins(model, tokenizer, rows, batch_size, max_length)

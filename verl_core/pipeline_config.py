@@ -81,8 +81,8 @@ class PreferenceDataStageConfig(StrictConfig):
 
     ``bundled``: the arithmetic task's pairs (correct answer chosen, a near miss
     rejected). ``sample_and_score``: sample ``n_samples`` completions per prompt from the
-    SFT policy, score them (rules, and the reward model when ``use_reward_model``), pair
-    best against worst (see :mod:`verl_core.preference_data`).
+    SFT policy, score them (``sample_and_score.reward``: rules and/or a reward-model folder),
+    pair best against worst (see :mod:`verl_core.preference_data`).
     """
 
     path: str | None = Field(None, description="pairs to use instead of generating them (file or folder)")
@@ -142,26 +142,27 @@ class ORPOStageConfig(ORPOConfig):
     save_steps: int | None = Field(10, ge=1)
 
 
-class PPOStageConfig(PPOConfig):
+class _OnlineStageDefaults(StrictConfig):
+    """Defaults every online algorithm's sub-section shares (listed first among its bases, so they
+    override the trainer config's own defaults)."""
+
     reward_rules: dict[str, float] | None = Field(default_factory=lambda: dict(EXACT_MATCH))
+    learning_rate: float = Field(1e-4, gt=0)
+    max_new_tokens: int = Field(24, ge=1)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    save_steps: int | None = Field(5, ge=1)
+
+
+class PPOStageConfig(_OnlineStageDefaults, PPOConfig):
     max_steps: int = Field(40, ge=1)
     batch_size: int = Field(128, ge=1)
     mini_batch_size: int | None = Field(64, ge=1)
     ppo_epochs: int = Field(2, ge=1)
-    learning_rate: float = Field(1e-4, gt=0)
-    max_new_tokens: int = Field(24, ge=1)
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    save_steps: int | None = Field(5, ge=1)
 
 
-class GRPOStageConfig(GRPOConfig):
-    reward_rules: dict[str, float] | None = Field(default_factory=lambda: dict(EXACT_MATCH))
+class GRPOStageConfig(_OnlineStageDefaults, GRPOConfig):
     max_steps: int = Field(20, ge=1)
     batch_size: int = Field(64, ge=1)
-    learning_rate: float = Field(1e-4, gt=0)
-    max_new_tokens: int = Field(24, ge=1)
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    save_steps: int | None = Field(5, ge=1)
 
 
 class RLOOStageConfig(GRPOStageConfig):

@@ -6,13 +6,10 @@ module last). No Prefect here.
 """
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 from verl_core import arithmetic
 from verl_core.pipeline_config import OFFLINE_ALGORITHMS, ONLINE_ALGORITHMS, PipelineConfig
-from verl_core.stages import (DatasetUse, StageContext, StageOutput, data_label, latest_checkpoint_step, load_data,
-                              preference_rows_of, register_stage, train_offline)
+from verl_core.stages import (DatasetUse, StageContext, StageOutput, data_label, load_data, preference_rows_of,
+                              register_stage, train_in_stage, train_offline)
 
 
 # -- preference data sampled from the SFT policy --------------------------------------------
@@ -34,12 +31,13 @@ def sample_and_score_stage(ctx: StageContext) -> StageOutput:
     Shards finished before an interruption are reused (same folder, same key), so a retried
     stage only samples what is missing.
     """
+    from verl_core.data import load_rows
     from verl_core.preference_data import generate_preference_data
 
     c = ctx.section
     prompts = _sample_prompts(ctx.config)
     result = generate_preference_data(ctx.input_path("sft"), prompts, c.sample_and_score, ctx.output_dir / "data")
-    pairs = preference_rows_of_path(result.paths["pairs"])
+    pairs = load_rows(str(result.paths["pairs"])).to_list()
     if not pairs:
         raise ValueError(f"sample_and_score made no pairs from {len(prompts)} prompts (every prompt's samples tied); "
                          "raise preference_data.sample_and_score.n_samples or the sampling temperature")
@@ -47,12 +45,6 @@ def sample_and_score_stage(ctx: StageContext) -> StageOutput:
     return StageOutput(output_path=ctx.output_dir / "data", metrics={"pairs": len(pairs), **stats},
                        datasets=[DatasetUse("prompts", prompts, "training", data_label(c.prompts, "prompts")),
                                  DatasetUse("preference-pairs", pairs, "output", str(result.paths["pairs"]))])
-
-
-def preference_rows_of_path(path: Path) -> list[dict]:
-    from verl_core.data import load_rows
-
-    return load_rows(str(path)).to_list()
 
 
 # -- policy optimisation --------------------------------------------------------------------
@@ -86,21 +78,13 @@ def _online(algorithm: str):
         from verl_core.algorithms.ppo import PPOTrainer
 
         trainer_cls = {"ppo": PPOTrainer, "grpo": GRPOTrainer, "rloo": RLOOTrainer}[algorithm]
-        settings = getattr(ctx.section, algorithm)
-        values = {k: v for k, v in settings.model_dump().items() if k in trainer_cls.config_cls.model_fields}
-        values.update(output_dir=str(ctx.output_dir), resume=True)
         prompts = _online_prompts(ctx.config)
         reward_model = ctx.input_path("reward_model") if ctx.section.use_reward_model else None
-        resumed = latest_checkpoint_step(ctx.output_dir)
-        trainer = trainer_cls(ctx.input_path("sft"), reward_model=reward_model, prompts=prompts, callbacks=ctx.callbacks,
-                              config=trainer_cls.config_cls.from_dict(values, source=f"policy_optimisation.{algorithm}"))
-        result = trainer.train()
-        if not ctx.config.orchestration.keep_checkpoints:
-            shutil.rmtree(ctx.output_dir / "checkpoints", ignore_errors=True)
-        return StageOutput(output_path=Path(result.output_dir), metrics=result.metrics, history=result.history,
-                           datasets=[DatasetUse(f"{algorithm}-prompts", prompts, "training",
-                                                data_label(ctx.section.prompts, "prompts"))],
-                           extra={"steps": result.steps, "resumed_from_step": resumed})
+        return train_in_stage(
+            ctx, trainer_cls, getattr(ctx.section, algorithm), source=f"policy_optimisation.{algorithm}",
+            build=lambda config: trainer_cls(ctx.input_path("sft"), reward_model=reward_model, prompts=prompts,
+                                             callbacks=ctx.callbacks, config=config),
+            datasets=[DatasetUse(f"{algorithm}-prompts", prompts, "training", data_label(ctx.section.prompts, "prompts"))])
 
     stage.__name__ = f"{algorithm}_stage"
     return stage

@@ -10,7 +10,6 @@ import functools
 
 import torch
 
-PRECISIONS = ("no", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -344,20 +344,29 @@ def latest_checkpoint_step(out_dir: Path) -> int:
     return json.loads((done[-1] / "engine_state.json").read_text())["step"] if done else 0
 
 
-def train_offline(ctx: StageContext, trainer_cls, settings: BaseModel, model: str, rows: list[dict],
-                  eval_rows: list[dict] | None = None, datasets: Sequence[DatasetUse] = ()) -> StageOutput:
-    """Train ``trainer_cls`` into ``ctx.output_dir`` (resuming its checkpoints) and describe the result."""
+def train_in_stage(ctx: StageContext, trainer_cls, settings: BaseModel, build: Callable[[Any], Any],
+                   datasets: Sequence[DatasetUse] = (), source: str | None = None) -> StageOutput:
+    """Train into ``ctx.output_dir`` (resuming its checkpoints) and describe the result.
+
+    ``settings``' fields that ``trainer_cls.config_cls`` knows become its config; ``build(config)``
+    makes the trainer (offline and online trainers take their data differently).
+    """
     cfg_cls = trainer_cls.config_cls
     values = {k: v for k, v in settings.model_dump().items() if k in cfg_cls.model_fields}
     values.update(output_dir=str(ctx.output_dir), resume=True)
     resumed = latest_checkpoint_step(ctx.output_dir)
-    trainer = trainer_cls(model, train_dataset=rows, eval_dataset=eval_rows or None,
-                          config=cfg_cls.from_dict(values, source=f"{ctx.name} settings"), callbacks=ctx.callbacks)
-    result = trainer.train()
+    result = build(cfg_cls.from_dict(values, source=source or f"{ctx.name} settings")).train()
     if not ctx.config.orchestration.keep_checkpoints:
         shutil.rmtree(ctx.output_dir / "checkpoints", ignore_errors=True)
     return StageOutput(output_path=Path(result.output_dir), metrics=result.metrics, history=result.history,
                        datasets=list(datasets), extra={"steps": result.steps, "resumed_from_step": resumed})
+
+
+def train_offline(ctx: StageContext, trainer_cls, settings: BaseModel, model: str, rows: list[dict],
+                  eval_rows: list[dict] | None = None, datasets: Sequence[DatasetUse] = ()) -> StageOutput:
+    """:func:`train_in_stage` for a trainer that reads rows (SFT, reward model, DPO family, KTO)."""
+    return train_in_stage(ctx, trainer_cls, settings, datasets=datasets, build=lambda config: trainer_cls(
+        model, train_dataset=rows, eval_dataset=eval_rows or None, config=config, callbacks=ctx.callbacks))
 
 
 # -- the stages -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ run: $(STAMP)
 	$(PY) -m verl_core.cli run $(ARGS)
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest tests $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(ARGS)  # no path given: pyproject testpaths (tests/)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'

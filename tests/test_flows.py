@@ -79,7 +79,11 @@ def test_pipeline_runs_end_to_end_and_the_final_policy_beats_the_sft_policy(firs
                              "reward_model": "Completed", "policy_optimisation": "Completed", "evaluation": "Completed"}
     m = result.records["evaluation"].metrics
     print(f"held-out exact match: sft {m['accuracy/sft']:.3f} -> final (ppo) {m['accuracy/final']:.3f}")
-    assert m["accuracy/final"] > m["accuracy/sft"]  # measured 0.495 -> 0.57 with the same PPO settings
+    # RL needs a policy that already solves some problems: from SFT policies at 13-36% neither GRPO nor
+    # PPO improved within CPU minutes; the fixture solves ~0.5.
+    assert m["accuracy/sft"] >= 0.4, f"the SFT policy solves only {m['accuracy/sft']:.2f}; PPO needs >= 0.4"
+    # measured 0.520 -> 0.595; bench/online_rl.py (same PPO settings, no SFT continuation): 0.495 -> 0.620
+    assert m["accuracy/final"] >= m["accuracy/sft"] + 0.03, (m["accuracy/sft"], m["accuracy/final"])
     assert {"reward_score/final", "reward_score/sft", "accuracy/base"} <= set(m)
     assert [row["policy"] for row in result.evaluation_table] == ["base", "sft", "final"]
     assert (Path(result.records["evaluation"].output_path) / "accuracy.png").stat().st_size > 1000

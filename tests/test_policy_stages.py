@@ -24,10 +24,8 @@ def pairs_record(tmp_path_factory) -> StageRecord:
 def tiny_run(tmp: Path, algorithm: str) -> list[str]:
     common = ["max_steps=2", "progress=false", "save_steps=1"]
     sizes = ["batch_size=4"] if algorithm in OFFLINE_ALGORITHMS else ["batch_size=8", "max_new_tokens=24"]
-    if algorithm == "ppo":
+    if algorithm in ONLINE_ALGORITHMS:
         sizes.append("mini_batch_size=4")
-    if algorithm in ("grpo", "rloo"):
-        sizes.append("num_generations=4")
     return [f"workdir={tmp}", f"policy_optimisation.algorithm={algorithm}", "policy_optimisation.prompts.limit=16",
             *(f"policy_optimisation.{algorithm}.{kv}" for kv in common + sizes)]
 

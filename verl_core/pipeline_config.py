@@ -161,8 +161,15 @@ class PPOStageConfig(_OnlineStageDefaults, PPOConfig):
 
 
 class GRPOStageConfig(_OnlineStageDefaults, GRPOConfig):
-    max_steps: int = Field(20, ge=1)
-    batch_size: int = Field(64, ge=1)
+    """32 prompts × 4 samples per step, two epochs of two mini-batches: measured +0.085 to +0.10 held-out
+    exact match in 80 steps from the ~0.5 SFT policy (bench/online_rl.py); 16 × 8 with one update per
+    step stayed within noise after 40."""
+
+    max_steps: int = Field(80, ge=1)
+    batch_size: int = Field(128, ge=1)
+    num_generations: int = Field(4, ge=1)
+    mini_batch_size: int | None = Field(64, ge=1)
+    ppo_epochs: int = Field(2, ge=1)
 
 
 class RLOOStageConfig(GRPOStageConfig):

@@ -1,20 +1,23 @@
-"""Preference training on the bundled arithmetic task improves the SFT policy.
+"""Preference training on the bundled arithmetic task improves the SFT policy on unseen problems.
 
 Pairs: the correct answer chosen, an answer off by 1 or 2 rejected (``offsets=(1, 2)``:
 with the default near misses of 3-12 the SFT fixture already ranks 0.985 of held-out pairs
-right, leaving nothing to show). Train pairs come from ``train_problems``, held-out pairs
-from ``eval_problems(200)``. Each run starts from the session's ``sft_path`` policy (900 SFT
+right, leaving nothing to show). Train pairs come from the prompt split (``prompt_problems(1600)``,
+problems the SFT policy was not trained on, as in the pipeline's preference stage). Held-out
+pairs: ``eval_problems(1000)`` minus every question that occurs in the SFT data or in the
+preference data (953 remain). Each run starts from the session's ``sft_path`` policy (900 SFT
 steps), trains 100 steps of batch 16 in fp32, then checks that held-out pairwise preference
-accuracy (chosen summed log-prob > rejected) rises and that greedy exact match on
-``eval_rows(100)`` stays >= 0.5 x the start.
+accuracy (chosen summed log-prob > rejected) and the mean log-prob margin rise, and that greedy
+exact match on ``eval_rows(100)`` stays >= 0.5 x the start.
 
-Asserted: the mean held-out log-prob margin rises for every method, ORPO's accuracy rises,
-DPO/KTO/SimPO accuracy does not fall (their measured rise is 1-4 pairs of 200).
+Measured (2 cores, fp32; start: preference 0.805, exact match 0.51, mean margin 1.66 nats):
+dpo 0.827 / 0.46, kto 0.823 / 0.48, simpo 0.829 / 0.47 (β=0.1 for DPO/KTO, lr 3e-5), i.e.
++17 to +24 of 953 pairs; each run ~20 s of training.
 
-Measured (2 cores; start: preference 0.82, exact match 0.51, mean margin 1.52 nats; margins
-after: dpo 1.72, kto 1.68, simpo 1.70, orpo 2.09):
-dpo 0.84 / 0.47, kto 0.83 / 0.48, simpo 0.84 / 0.48 (β=0.1 for DPO/KTO, lr 3e-5), orpo
-(lr 3e-4) 0.90 / 0.66; each run 11-14 s of training.
+Why the prompt split: trained on pairs of the SFT policy's own training problems, DPO, KTO and
+SimPO raised the margin but not the accuracy on problems outside both sets (0.796 -> 0.791-0.797
+of 981); their apparent +0.01 on a held-out set that still shared 19 questions with the training
+pairs came from those 19. 200 steps on 3200 pairs did not do better than 100 on 1600 (dpo 0.825).
 
 Tuning note: this tiny policy is fragile. Learning rates of 5e-4 and above pushed rejected
 log-probs down by teaching shorter or odd answers and dropped both the held-out preference
@@ -43,8 +46,14 @@ RUNS = {
 }
 
 
+def train_problems() -> list[arithmetic.Problem]:
+    return arithmetic.prompt_problems(STEPS * BATCH)
+
+
 def held_out_pairs() -> list[dict]:
-    return arithmetic.preference_rows(arithmetic.eval_problems(200), seed=1, offsets=OFFSETS)
+    seen = {p.question for p in train_problems()} | {p.question for p in arithmetic.train_problems(2000)}  # + SFT data
+    unseen = [p for p in arithmetic.eval_problems(1000) if p.question not in seen]
+    return arithmetic.preference_rows(unseen, seed=1, offsets=OFFSETS)
 
 
 def accuracies(model, tokenizer) -> tuple[float, float, float]:
@@ -63,19 +72,14 @@ def start(sft_path) -> tuple[float, float, float]:
 def test_preference_training_raises_held_out_preference_accuracy_without_collapsing_answers(sft_path, start, algorithm):
     cls, settings = RUNS[algorithm]
     t0 = time.perf_counter()
-    trainer = cls(str(sft_path), train_dataset=arithmetic.preference_rows(arithmetic.train_problems(STEPS * BATCH), offsets=OFFSETS),
-                  max_steps=STEPS, batch_size=BATCH, progress=False, logging_steps=10, **settings)
+    trainer = cls(str(sft_path), train_dataset=arithmetic.preference_rows(train_problems(), offsets=OFFSETS),
+                  max_steps=STEPS, batch_size=BATCH, mixed_precision="no", progress=False, logging_steps=10, **settings)
     trainer.train()
     seconds = time.perf_counter() - t0
     pref, exact, margin = accuracies(trainer.engine.unwrapped, trainer.tokenizer)
     report = (f"{algorithm}: preference {start[0]:.3f} -> {pref:.3f}, exact match {start[1]:.2f} -> {exact:.2f}, "
               f"mean margin {start[2]:.3f} -> {margin:.3f}, train {seconds:.0f}s")
     print(report)
-    assert margin > start[2], report  # measured +0.16 (kto) .. +0.57 (orpo) nats
-    if algorithm == "orpo":
-        assert pref > start[0], report  # measured 0.82 -> 0.90
-    else:
-        # Measured here 0.82 -> 0.83-0.84: one to four pairs of 200, too small to assert strictly across
-        # CPUs whose fp32 kernels round differently; the margin above is the robust signal.
-        assert pref >= start[0] - 0.01, report
+    assert margin > start[2], report  # measured +0.17 (kto) .. +0.23 (simpo) nats
+    assert pref > start[0], report  # measured +17 (kto) .. +24 (simpo) of 953 pairs
     assert exact >= 0.5 * start[1], report

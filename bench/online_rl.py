@@ -55,6 +55,27 @@ def build_sft(out: Path, steps: int) -> Path:
     return out / "phase2" / "model"
 
 
+def add_base_arguments(parser: argparse.ArgumentParser, threads: int) -> None:
+    """The options every bench that starts from the SFT policy of the default task takes."""
+    parser.add_argument("--sft-path", type=Path, help="start from this SFT folder (default: build one)")
+    parser.add_argument("--sft-steps", type=int, default=900, help="SFT steps when building the base")
+    parser.add_argument("--threads", type=int, default=threads, help="torch threads")
+    parser.add_argument("--out", type=Path, help="working folder (default: a temporary one)")
+
+
+def prepare_base(args: argparse.Namespace, prefix: str) -> tuple[Path, Path]:
+    """Set torch threads, quiet HF progress bars, work offline; return (working folder, SFT folder),
+    building the SFT policy there unless ``--sft-path`` names one."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = args.out or Path(tempfile.mkdtemp(prefix=prefix))
+    return out, args.sft_path or build_sft(out / "sft", args.sft_steps)
+
+
 def build_reward_model(base: Path, out: Path, steps: int) -> Path:
     from verl_core import arithmetic
     from verl_core.algorithms.reward_model import RewardTrainer
@@ -96,8 +117,7 @@ def run(algorithm: str, base: Path, eval_rows: list[dict], reward_model: Path | 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sft-path", type=Path, help="start from this SFT folder (default: build one)")
-    parser.add_argument("--sft-steps", type=int, default=900, help="SFT steps when building the base")
+    add_base_arguments(parser, threads=1)  # 1 is fastest for the tiny model on shared cores
     parser.add_argument("--algorithms", default="grpo,ppo", help=f"comma-separated, from {sorted(PRESETS)}")
     parser.add_argument("--rm-steps", type=int, default=300)
     parser.add_argument("--eval-rows", type=int, default=200)
@@ -105,23 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.075,
                         help="minimum accuracy gain per algorithm (0.075 = 15 more of 200 held-out problems solved, about "
                              "twice the standard error of one 200-row accuracy at 0.5)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for the tiny model on shared cores)")
-    parser.add_argument("--out", type=Path, help="working folder (default: a temporary one)")
     args = parser.parse_args(argv)
 
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    torch.set_num_threads(args.threads)
-    hf_logging.disable_progress_bar()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    out, base = prepare_base(args, "online-rl-bench-")
     from verl_core import arithmetic
     from verl_core.evaluation import answer_accuracy
     from verl_core.models import load_causal_lm, load_tokenizer
 
-    out = args.out or Path(tempfile.mkdtemp(prefix="online-rl-bench-"))
-    t0 = time.perf_counter()
-    base = args.sft_path or build_sft(out / "sft", args.sft_steps)
     eval_rows = arithmetic.eval_rows(args.eval_rows)
     before = answer_accuracy(load_causal_lm(base), load_tokenizer(base), eval_rows)
     print(f"SFT base {base}: exact match {before:.3f} ({time.perf_counter() - t0:.0f}s)", flush=True)

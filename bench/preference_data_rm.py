@@ -20,19 +20,18 @@ whatever the amount of data (the rejected answers are the policy's own near miss
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from online_rl import add_base_arguments, prepare_base  # noqa: E402  (this folder is on sys.path when run as a script)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sft-path", type=Path, help="start from this SFT folder (default: build one)")
-    parser.add_argument("--sft-steps", type=int, default=900)
+    add_base_arguments(parser, threads=2)
     parser.add_argument("--prompts", type=int, default=2048)
     parser.add_argument("--n-samples", type=int, default=8)
     parser.add_argument("--rm-steps", type=int, default=400)
@@ -40,18 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rm-lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--target", type=float, default=0.8)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, help="working folder (default: a temporary one)")
     args = parser.parse_args(argv)
 
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    torch.set_num_threads(args.threads)
-    hf_logging.disable_progress_bar()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from online_rl import build_sft
-
+    t0 = time.perf_counter()
+    out, base = prepare_base(args, "pref-data-rm-bench-")
     from verl_core import arithmetic
     from verl_core.algorithms.reward_model import RewardTrainer
     from verl_core.data import load_rows
@@ -59,9 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     from verl_core.models import load_reward_model, load_tokenizer
     from verl_core.preference_data import PreferenceDataConfig, generate_preference_data
 
-    out = args.out or Path(tempfile.mkdtemp(prefix="pref-data-rm-bench-"))
-    t0 = time.perf_counter()
-    base = args.sft_path or build_sft(out / "sft", args.sft_steps)
     config = PreferenceDataConfig(n_samples=args.n_samples, sampling={"max_new_tokens": 20}, pairing="best_worst",
                                   min_margin=0.5, tie_break="logprob", shard_size=256, batch_size=64, seed=args.seed,
                                   progress=False, outputs=["pairs"], formats=["parquet"])

@@ -46,12 +46,13 @@ RUNS = {
 }
 
 
-def train_problems() -> list[arithmetic.Problem]:
+def preference_problems() -> list[arithmetic.Problem]:
+    """Problems of the training pairs: the prompt split, which the SFT data does not contain."""
     return arithmetic.prompt_problems(STEPS * BATCH)
 
 
 def held_out_pairs() -> list[dict]:
-    seen = {p.question for p in train_problems()} | {p.question for p in arithmetic.train_problems(2000)}  # + SFT data
+    seen = {p.question for p in preference_problems()} | {p.question for p in arithmetic.train_problems(2000)}  # + SFT data
     unseen = [p for p in arithmetic.eval_problems(1000) if p.question not in seen]
     return arithmetic.preference_rows(unseen, seed=1, offsets=OFFSETS)
 
@@ -72,7 +73,7 @@ def start(sft_path) -> tuple[float, float, float]:
 def test_preference_training_raises_held_out_preference_accuracy_without_collapsing_answers(sft_path, start, algorithm):
     cls, settings = RUNS[algorithm]
     t0 = time.perf_counter()
-    trainer = cls(str(sft_path), train_dataset=arithmetic.preference_rows(train_problems(), offsets=OFFSETS),
+    trainer = cls(str(sft_path), train_dataset=arithmetic.preference_rows(preference_problems(), offsets=OFFSETS),
                   max_steps=STEPS, batch_size=BATCH, mixed_precision="no", progress=False, logging_steps=10, **settings)
     trainer.train()
     seconds = time.perf_counter() - t0

@@ -144,9 +144,13 @@ class ORPOStageConfig(ORPOConfig):
 
 class _OnlineStageDefaults(StrictConfig):
     """Defaults every online algorithm's sub-section shares (listed first among its bases, so they
-    override the trainer config's own defaults)."""
+    override the trainer config's own defaults): 128 episodes per rollout step, two epochs of two
+    mini-batches."""
 
     reward_rules: dict[str, float] | None = Field(default_factory=lambda: dict(EXACT_MATCH))
+    batch_size: int = Field(128, ge=1)
+    mini_batch_size: int | None = Field(64, ge=1)
+    ppo_epochs: int = Field(2, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
     max_new_tokens: int = Field(24, ge=1)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
@@ -155,9 +159,6 @@ class _OnlineStageDefaults(StrictConfig):
 
 class PPOStageConfig(_OnlineStageDefaults, PPOConfig):
     max_steps: int = Field(40, ge=1)
-    batch_size: int = Field(128, ge=1)
-    mini_batch_size: int | None = Field(64, ge=1)
-    ppo_epochs: int = Field(2, ge=1)
 
 
 class GRPOStageConfig(_OnlineStageDefaults, GRPOConfig):
@@ -166,10 +167,7 @@ class GRPOStageConfig(_OnlineStageDefaults, GRPOConfig):
     step stayed within noise after 40."""
 
     max_steps: int = Field(80, ge=1)
-    batch_size: int = Field(128, ge=1)
     num_generations: int = Field(4, ge=1)
-    mini_batch_size: int | None = Field(64, ge=1)
-    ppo_epochs: int = Field(2, ge=1)
 
 
 class RLOOStageConfig(GRPOStageConfig):

@@ -194,7 +194,7 @@ def test_packed_reward_scores_equal_padded(tiny_path, tok, pair_examples, share_
     torch.testing.assert_close(grad_packed, grad_pad, rtol=1e-4, atol=1e-7)
 
 
-def test_token_logprobs_any_dispatches_and_models_without_logits_to_keep_work(tiny_path, tok, sft_examples):
+def test_model_token_logprobs_dispatches_packed_batches_and_models_without_logits_to_keep_work(tiny_path, tok, sft_examples):
     model = _model(tiny_path)
 
     class NoLogitsToKeep(torch.nn.Module):
@@ -209,8 +209,8 @@ def test_token_logprobs_any_dispatches_and_models_without_logits_to_keep_work(ti
     padded = collate_sft(sft_examples, tok.pad_token_id)
     packed = packing.collate_packed_sft(sft_examples, tok.pad_token_id)
     with torch.no_grad():
-        a = _sft_loss(packing.token_logprobs_any(model, padded), padded)
-        b = _sft_loss(packing.token_logprobs_any(model, packed), packed)
+        a = _sft_loss(model_token_logprobs(model, padded), padded)
+        b = _sft_loss(model_token_logprobs(model, packed), packed)
         c = _sft_loss(packing.packed_token_logprobs(NoLogitsToKeep(model), packed), packed)
     assert abs(a - b) < 1e-5 and abs(b - c) < 1e-6
 
@@ -270,49 +270,73 @@ def test_packed_response_logits_share_each_prompt_and_equal_the_padded_ones(tiny
     torch.testing.assert_close(g_shared, g_pad, rtol=1e-4, atol=1e-5)  # fp32 sums in another order: 1.2e-6 seen
 
 
-# -- through the trainers -----------------------------------------------------------------------
-def _packed_trainer(cls, monkeypatch, **kwargs):
-    """A trainer whose batches are packed: ``packing=True`` once the configs have it, else the same
-    wiring the bench installs (a collate override + the packed-aware log-prob dispatch)."""
-    if "packing" in cls.config_cls.model_fields:
-        return cls(**kwargs, packing=True)
-    import verl_core.algorithms.dpo as dpo
-    import verl_core.algorithms.preference as preference
-    import verl_core.algorithms.sft as sft
-    from verl_core.algorithms.preference import attach_reference
-
-    for module in (sft, dpo, preference):
-        monkeypatch.setattr(module, "model_token_logprobs", packing.token_logprobs_any)
-
-    class Packed(cls):
-        def collate(self, examples):
-            pad = self.tokenizer.pad_token_id
-            if "chosen_ids" in examples[0]:
-                return attach_reference(packing.collate_packed_pairs(examples, pad, row_capacity=100), examples)
-            return packing.collate_packed_sft(examples, pad, row_capacity=100)
-
-    return Packed(**kwargs)
-
-
+# -- through the trainers (the packing=True switch) ------------------------------------------------
 def _losses(result):
     return [v for _, v in result.history["loss"]]
 
 
-def test_sft_trainer_packed_losses_equal_padded(tiny_path, monkeypatch):
+def _common(tiny_path, rows, **extra):
+    return dict(model=str(tiny_path), train_dataset=rows, max_steps=3, batch_size=8, learning_rate=1e-3, logging_steps=1,
+                progress=False, **extra)
+
+
+@pytest.mark.parametrize("row_tokens", ["longest", 100])
+def test_sft_trainer_packed_losses_equal_padded(tiny_path, row_tokens):
     from verl_core.algorithms.sft import SFTTrainer
 
-    common = dict(model=str(tiny_path), train_dataset=arithmetic.sft_rows(32), max_steps=3, batch_size=8,
-                  learning_rate=1e-3, logging_steps=1, progress=False)
+    common = _common(tiny_path, arithmetic.sft_rows(32))
     padded = _losses(SFTTrainer(**common).train())
-    packed = _losses(_packed_trainer(SFTTrainer, monkeypatch, **common).train())
+    trainer = SFTTrainer(**common, packing=True, packing_row_tokens=row_tokens)
+    assert packing.is_packed(trainer.collate(trainer.train_examples[:8]))
+    packed = _losses(trainer.train())
     assert max(abs(a - b) for a, b in zip(padded, packed)) < 1e-5, (padded, packed)
 
 
-def test_dpo_trainer_packed_with_precomputed_reference_equals_padded_on_the_fly(tiny_path, monkeypatch):
+def test_dpo_trainer_packed_with_precomputed_reference_equals_padded_on_the_fly(tiny_path):
     from verl_core.algorithms.dpo import DPOTrainer
 
-    common = dict(model=str(tiny_path), train_dataset=arithmetic.preference_rows(arithmetic.train_problems(32)),
-                  max_steps=3, batch_size=8, learning_rate=1e-3, logging_steps=1, progress=False)
+    common = _common(tiny_path, arithmetic.preference_rows(arithmetic.train_problems(32)))
     padded = _losses(DPOTrainer(**common).train())
-    packed = _losses(_packed_trainer(DPOTrainer, monkeypatch, precompute_ref_logps=True, **common).train())
+    packed = _losses(DPOTrainer(**common, packing=True, precompute_ref_logps=True).train())
     assert max(abs(a - b) for a, b in zip(padded, packed)) < 1e-5, (padded, packed)
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_reward_and_kto_trainers_packed_equal_padded(tiny_path, share_prompt):
+    from verl_core.algorithms.kto import KTOTrainer
+    from verl_core.algorithms.reward_model import RewardTrainer
+
+    pairs = arithmetic.preference_rows(arithmetic.train_problems(32))
+    for cls in (RewardTrainer, KTOTrainer):
+        common = _common(tiny_path, pairs)
+        padded = _losses(cls(**common).train())
+        packed = _losses(cls(**common, packing=True, share_prompt=share_prompt).train())
+        assert max(abs(a - b) for a, b in zip(padded, packed)) < 1e-5, (cls.__name__, padded, packed)
+
+
+def test_grpo_trainer_shared_prompt_update_equals_padded(tiny_path):
+    from verl_core.algorithms.grpo import GRPOTrainer
+
+    common = dict(policy=str(tiny_path), prompts=arithmetic.prompt_rows(16), max_steps=2, batch_size=16, num_generations=4,
+                  mini_batch_size=8, ppo_epochs=1, max_new_tokens=8, learning_rate=1e-3, kl_coef=0.05, seed=0,
+                  logging_steps=1, progress=False, reward_fns=[lambda completions, truths: [len(c) / 10 for c in completions]])
+    runs = [GRPOTrainer(**common, packing=flag) for flag in (False, True)]
+    for trainer in runs:
+        trainer.train()
+    keys = ("loss", "policy/approx_kl", "policy/kl_loss")
+    for a, b in zip(runs[0].update_history, runs[1].update_history):
+        for k in keys:
+            assert abs(a[k] - b[k]) < 1e-5, (k, a[k], b[k])
+
+
+def test_shared_prompts_are_refused_for_flash_attention(tiny_path):
+    from verl_core.algorithms.dpo import DPOTrainer
+    from verl_core.config import ConfigError
+
+    model = load_causal_lm(tiny_path)
+    model.config._attn_implementation = "flash_attention_2"
+    common = dict(model=model, tokenizer=load_tokenizer(tiny_path),
+                  train_dataset=arithmetic.preference_rows(arithmetic.train_problems(4)), packing=True)
+    with pytest.raises(ConfigError, match="share_prompt=False"):
+        DPOTrainer(**common)
+    assert DPOTrainer(**common, share_prompt=False).config.packing

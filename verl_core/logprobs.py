@@ -44,7 +44,14 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
 
 
 def model_token_logprobs(model, batch: dict[str, torch.Tensor], with_entropy: bool = False):
-    """Forward ``model`` on a collated batch; per-token log-probs aligned with ``input_ids``."""
+    """Forward ``model`` on a collated batch; per-token log-probs aligned with ``input_ids``.
+
+    A packed batch (:mod:`verl_core.packing`) is dispatched to
+    :func:`~verl_core.packing.packed_token_logprobs`, which returns the same logical layout."""
+    if "packed_index" in batch:
+        from verl_core.packing import packed_token_logprobs  # packing imports this module
+
+        return packed_token_logprobs(model, batch, with_entropy)
     kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
     if "position_ids" in batch:
         kwargs["position_ids"] = batch["position_ids"]

@@ -306,15 +306,6 @@ def packed_response_logits(model, batch: dict[str, torch.Tensor], pad_id: int = 
     return out
 
 
-def token_logprobs_any(model, batch: dict[str, torch.Tensor], with_entropy: bool = False):
-    """:func:`verl_core.logprobs.model_token_logprobs` for padded and packed batches alike."""
-    if is_packed(batch):
-        return packed_token_logprobs(model, batch, with_entropy)
-    from verl_core.logprobs import model_token_logprobs
-
-    return model_token_logprobs(model, batch, with_entropy)
-
-
 # -- attention kernel -------------------------------------------------------------------------
 def _sdpa_fp32_cpu(module, query, key, value, attention_mask, **kwargs):
     """SDPA in fp32 on CPU under autocast (which would run it in bf16/fp16); the output is cast

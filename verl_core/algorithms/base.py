@@ -5,16 +5,36 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Annotated, Any, ClassVar, Literal, Sequence
 
 import torch
+from pydantic import Field
 
+from verl_core import packing
 from verl_core.callbacks import Callback
-from verl_core.config import ConfigError
+from verl_core.config import ConfigError, StrictConfig
 from verl_core.engine import Engine, LossOutput, TrainConfig, TrainResult, steps_for
 from verl_core.models import load_causal_lm, load_tokenizer, save_pretrained_atomic
 
 FINAL_MODEL_DIR = "model"
+
+
+class PackingSettings(StrictConfig):
+    """Padding-free batches (:mod:`verl_core.packing`): sequences laid end to end with their own
+    position ids and a block-diagonal causal mask, so no pad token is computed. Losses equal
+    the padded layout's (tests/test_packing.py)."""
+
+    packing: bool = Field(False, description="padding-free packed batches instead of padded ones")
+    packing_row_tokens: Annotated[int, Field(ge=1)] | Literal["longest"] | None = Field(
+        "longest", description="tokens per packed row: 'longest' = the batch's longest sequence (no row attends over "
+                               "more than padding would), a number, or null for one row")
+
+
+class PairPackingSettings(PackingSettings):
+    """:class:`PackingSettings` for batches of two completions per prompt (pairs, KTO's KL rows)."""
+
+    share_prompt: bool = Field(True, description="with packing: each prompt computed once, both completions branch "
+                                                 "from it (prefix sharing; needs sdpa or eager attention)")
 
 
 def resolve_config(config_cls: type[TrainConfig], config: TrainConfig | dict | None, overrides: dict[str, Any]) -> TrainConfig:
@@ -51,6 +71,10 @@ class OfflineTrainer:
         self.eval_examples = self.tokenize(eval_dataset) if eval_dataset is not None else None
         torch.manual_seed(self.config.seed)
         self.model = self.load_model(self.model_source) if self.model_source else model
+        c = self.config
+        if getattr(c, "packing", False) and getattr(c, "share_prompt", False) and not packing.supports_shared_prompt(self.model):
+            raise ConfigError(f"share_prompt=True needs sdpa or eager attention, the model uses "
+                              f"{packing.attn_implementation(self.model)}; set share_prompt=False (packing still works)")
         self.callbacks = list(callbacks)
         self.engine: Engine | None = None
 

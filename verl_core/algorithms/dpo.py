@@ -25,6 +25,7 @@ from verl_core.algorithms.preference import PreferenceConfig, PreferenceTrainer,
 from verl_core.data import collate_pairs, tokenize_pairs
 from verl_core.engine import LossOutput
 from verl_core.logprobs import model_token_logprobs
+from verl_core.packing import collate_packed_pairs
 from verl_core.losses.preference import dpo_loss, orpo_loss, sequence_logps, sequence_mean_logps, simpo_loss
 
 DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"]
@@ -77,7 +78,10 @@ class DPOTrainer(PreferenceTrainer):
         return tokenize_pairs(rows, self.tokenizer, c.max_length, c.max_prompt_length, c.on_long_prompt)
 
     def collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        return attach_reference(collate_pairs(examples, self.tokenizer.pad_token_id), examples)
+        c, pad = self.config, self.tokenizer.pad_token_id
+        batch = (collate_packed_pairs(examples, pad, c.share_prompt, c.packing_row_tokens) if c.packing
+                 else collate_pairs(examples, pad))
+        return attach_reference(batch, examples)
 
     def loss(self, model, batch: dict[str, torch.Tensor]) -> LossOutput:
         c = self.config

@@ -21,8 +21,10 @@ import torch
 from pydantic import Field, model_validator
 
 from verl_core.algorithms.online import KLKind, OnlineConfig, OnlineTrainer
+from verl_core.config import ConfigError
 from verl_core.losses.advantages import broadcast_to_tokens, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from verl_core.losses.masked import masked_mean
+from verl_core.packing import attn_implementation, packed_response_logits, supports_shared_prompt
 
 
 class GRPOConfig(OnlineConfig):
@@ -36,6 +38,8 @@ class GRPOConfig(OnlineConfig):
     kl_estimator: KLKind = "k3"
     kl_in: Literal["reward", "loss"] = "loss"
     gamma: float = Field(1.0, ge=0, le=1, description="reinforce_pp: discount of the return-to-go")
+    packing: bool = Field(False, description="shared-prompt update: each prompt computed once for its group's "
+                                             "completions, no pad token computed (needs sdpa or eager attention)")
 
     @model_validator(mode="after")
     def _groups(self):
@@ -62,6 +66,17 @@ class GRPOTrainer(OnlineTrainer):
 
     config_cls = GRPOConfig
     config: GRPOConfig
+
+    def build_module(self, lm):
+        if self.config.packing and not supports_shared_prompt(lm):
+            raise ConfigError(f"packing=True shares each prompt across its group and needs sdpa or eager attention; "
+                              f"the policy uses {attn_implementation(lm)}")
+        return lm
+
+    def response_logits(self, model, batch):
+        if self.config.packing:
+            return packed_response_logits(model, batch, self.policy.tokenizer.pad_token_id)
+        return super().response_logits(model, batch)
 
     def compute_advantages(self, exp, scores):
         c = self.config

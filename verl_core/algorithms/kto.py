@@ -35,6 +35,7 @@ from verl_core.algorithms.preference import PreferenceConfig, PreferenceTrainer,
 from verl_core.data import DataError, collate_sequences, tokenize_unpaired
 from verl_core.engine import LossOutput
 from verl_core.logprobs import model_token_logprobs
+from verl_core.packing import collate_packed_kto
 from verl_core.losses.preference import kto_loss, mismatched_indices, sequence_logps
 
 
@@ -85,6 +86,10 @@ class KTOTrainer(PreferenceTrainer):
         return assign_kl_completions(examples, c.seed, c.max_length)
 
     def collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        c = self.config
+        if c.packing:
+            return attach_reference(collate_packed_kto(examples, self.tokenizer.pad_token_id, c.share_prompt,
+                                                       c.packing_row_tokens), examples)
         prompts = [e["prompt_ids"] for e in examples]
         completions = [e["completion_ids"] for e in examples] + [e["kl_completion_ids"] for e in examples]
         batch = collate_sequences(prompts + prompts, completions, self.tokenizer.pad_token_id)

@@ -153,7 +153,11 @@ class OnlineTrainer:
 
     def forward(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits that predict each response token, [B, R, V], and values [B, R] (or None)."""
-        return lm_response_logits(model, batch), None
+        return self.response_logits(model, batch), None
+
+    def response_logits(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, R, V] logits of a plain LM (the policy, the reference) at the response positions."""
+        return lm_response_logits(model, batch)
 
     def compute_advantages(self, exp: dict[str, torch.Tensor], scores: torch.Tensor) -> dict[str, float]:
         """Write ``exp["advantages"]`` ([B, R], 0 off the mask); return metrics."""
@@ -312,7 +316,7 @@ class OnlineTrainer:
                     values.append(v.float())
             if self.reference is not None:
                 with acc.autocast():
-                    ref.append(selected_logprobs(lm_response_logits(self.reference, mb) / c.temperature, mb["response_ids"]))
+                    ref.append(selected_logprobs(self.response_logits(self.reference, mb) / c.temperature, mb["response_ids"]))
         mask = exp["response_mask"].bool()
         if need_old:
             exp["old_logp"] = torch.where(mask, torch.cat(old), 0.0)

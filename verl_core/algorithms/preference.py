@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 from pydantic import Field
 
-from verl_core.algorithms.base import OfflineTrainer
+from verl_core.algorithms.base import OfflineTrainer, PairPackingSettings
 from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.data.formats import LongPromptPolicy
@@ -44,7 +44,7 @@ from verl_core.precision import allow_precision_change
 REF_KEY = "ref_logps"
 
 
-class PreferenceConfig(TrainConfig):
+class PreferenceConfig(TrainConfig, PairPackingSettings):
     """Settings shared by the DPO family and KTO."""
 
     learning_rate: float = Field(5e-6, gt=0)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from verl_core.algorithms.base import OfflineTrainer
+from verl_core import packing
+from verl_core.algorithms.base import OfflineTrainer, PairPackingSettings
 from verl_core.data import collate_pairs, tokenize_pairs
 from verl_core.data.formats import LongPromptPolicy
 from verl_core.engine import LossOutput, TrainConfig
@@ -12,7 +13,7 @@ from verl_core.losses.reward import bradley_terry_loss
 from verl_core.models import load_reward_model
 
 
-class RewardConfig(TrainConfig):
+class RewardConfig(TrainConfig, PairPackingSettings):
     learning_rate: float = Field(1e-4, gt=0)
     max_length: int = Field(512, ge=2)
     max_prompt_length: int | None = None
@@ -22,7 +23,9 @@ class RewardConfig(TrainConfig):
 
 
 def pair_rewards(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scalar rewards of the chosen and rejected halves of a :func:`collate_pairs` batch."""
+    """Scalar rewards of the chosen and rejected halves of a :func:`collate_pairs` batch (or a packed one)."""
+    if packing.is_packed(batch):
+        return packing.packed_pair_rewards(model, batch)
     scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, 0].float()
     half = scores.shape[0] // 2
     return scores[:half], scores[half:]
@@ -43,7 +46,11 @@ class RewardTrainer(OfflineTrainer):
         return examples
 
     def collate(self, examples):
-        batch = collate_pairs(examples, self.tokenizer.pad_token_id)
+        c = self.config
+        if c.packing:
+            batch = packing.collate_packed_pairs(examples, self.tokenizer.pad_token_id, c.share_prompt, c.packing_row_tokens)
+        else:
+            batch = collate_pairs(examples, self.tokenizer.pad_token_id)
         if self.config.margin is not None:
             batch["margin"] = torch.full((len(examples),), float(self.config.margin))
         return batch

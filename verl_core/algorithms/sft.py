@@ -3,14 +3,15 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from verl_core.algorithms.base import OfflineTrainer
+from verl_core.algorithms.base import OfflineTrainer, PackingSettings
 from verl_core.data import collate_sft, tokenize_sft
 from verl_core.data.formats import LongPromptPolicy
 from verl_core.engine import LossOutput, TrainConfig
 from verl_core.logprobs import model_token_logprobs
+from verl_core.packing import collate_packed_sft
 
 
-class SFTConfig(TrainConfig):
+class SFTConfig(TrainConfig, PackingSettings):
     learning_rate: float = Field(1e-3, gt=0)
     max_length: int = Field(512, ge=2)
     max_prompt_length: int | None = None
@@ -31,6 +32,8 @@ class SFTTrainer(OfflineTrainer):
         return tokenize_sft(rows, self.tokenizer, c.max_length, c.max_prompt_length, c.on_long_prompt)
 
     def collate(self, examples):
+        if self.config.packing:
+            return collate_packed_sft(examples, self.tokenizer.pad_token_id, self.config.packing_row_tokens)
         return collate_sft(examples, self.tokenizer.pad_token_id)
 
     def loss(self, model, batch) -> LossOutput:

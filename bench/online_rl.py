@@ -5,8 +5,9 @@
 
 For every algorithm: a fresh copy of the SFT policy is trained on ``arithmetic.prompt_rows``
 and scored with greedy ``answer_accuracy`` on ``arithmetic.eval_rows(--eval-rows)`` before and
-after. GRPO / RLOO / REINFORCE++ and ``ppo`` use the ``exact_match`` rule; ``ppo_rm`` uses a
-reward model trained here with ``RewardTrainer`` on ``arithmetic.preference_rows``. Prints a table
+after. GRPO / RLOO / REINFORCE++ and ``ppo`` use the ``exact_match`` rule; ``ppo_rm`` uses only a
+reward model trained here (:func:`build_reward_model`: on preference pairs generated from the SFT
+policy's own samples; the exact-match rule is logged with weight 0, never rewarded). Prints a table
 (algorithm, before, after, delta, wall seconds, last mean reward) and exits 1 when an algorithm
 improves by less than ``--target``.
 
@@ -35,7 +36,7 @@ PRESETS: dict[str, dict] = {
     "rloo": dict(GROUP),
     "reinforce_pp": dict(GROUP),
     "ppo": dict(learning_rate=1e-4, batch_size=128, mini_batch_size=64, ppo_epochs=2, max_steps=40, kl_coef=0.05),
-    "ppo_rm": dict(learning_rate=1e-4, batch_size=128, mini_batch_size=64, ppo_epochs=2, max_steps=20, kl_coef=0.05),
+    "ppo_rm": dict(learning_rate=1e-4, batch_size=128, mini_batch_size=64, ppo_epochs=2, max_steps=80, kl_coef=0.05),
 }
 COMMON = dict(mixed_precision="auto", max_new_tokens=24, progress=False, logging_steps=10, seed=0)
 
@@ -76,20 +77,58 @@ def prepare_base(args: argparse.Namespace, prefix: str) -> tuple[Path, Path]:
     return out, args.sft_path or build_sft(out / "sft", args.sft_steps)
 
 
-def build_reward_model(base: Path, out: Path, steps: int) -> Path:
+def build_reward_model(base: Path, out: Path, steps: int, prompts: int) -> Path:
+    """A reward model trained on the SFT policy's OWN samples: 8 answers to each of ``prompts``
+    bundled prompts, scored by exact match, every (right, wrong) pair of a prompt kept
+    (``pairing="all_pairs"``); 64 pairs a step at lr 5e-4 from the SFT weights.
+
+    Measured (seed 0, 2048 prompts, 4542 pairs, 800 steps): on 8 fresh samples per held-out prompt
+    it orders right over wrong 0.97 of the time and its top-scored sample is right for 0.76 of the
+    prompts (0.81 have a right one). The earlier recipes ranked the policy's own near misses too
+    poorly for PPO to climb (best-vs-worst pairs: 0.85 and 0.57; bundled pairs with random misses:
+    PPO fell below the SFT start)."""
     from verl_core import arithmetic
     from verl_core.algorithms.reward_model import RewardTrainer
-    from verl_core.evaluation import reward_model_accuracy
-    from verl_core.models import load_reward_model, load_tokenizer
+    from verl_core.preference_data import PreferenceDataConfig, generate_preference_data
 
-    rows = arithmetic.preference_rows(arithmetic.train_problems(2000), seed=0)
-    RewardTrainer(str(base), train_dataset=rows, max_steps=steps, batch_size=32, learning_rate=1e-3, warmup_steps=10,
-                  mixed_precision="auto", output_dir=str(out), progress=False, logging_steps=100,
-                  center_rewards_coefficient=0.01).train()
-    held_out = arithmetic.preference_rows(arithmetic.eval_problems(200), seed=1)
-    acc = reward_model_accuracy(load_reward_model(out / "model"), load_tokenizer(out / "model"), held_out)
-    print(f"reward model: held-out pairwise accuracy {acc:.3f}", flush=True)
-    return out / "model"
+    config = PreferenceDataConfig(n_samples=8, sampling={"max_new_tokens": 20}, pairing="all_pairs", min_margin=0.5,
+                                  tie_break="logprob", shard_size=256, batch_size=64, seed=0, progress=False,
+                                  outputs=["pairs"], formats=["parquet"])
+    t0 = time.perf_counter()
+    pairs = generate_preference_data(base, arithmetic.prompt_rows(prompts), config, out / "pairs")
+    RewardTrainer(str(base), train_dataset=str(pairs.paths["pairs_parquet"]), max_steps=steps, batch_size=64,
+                  learning_rate=5e-4, warmup_steps=10, mixed_precision="auto", output_dir=str(out / "rm"), progress=False,
+                  logging_steps=100, center_rewards_coefficient=0.01, seed=0).train()
+    print(f"reward model: {pairs.counts['pairs']} generated pairs, {steps} steps, {time.perf_counter() - t0:.0f}s", flush=True)
+    return out / "rm" / "model"
+
+
+def reward_model_reranking(base: Path, reward_model: Path, rows: list[dict], n: int = 8) -> dict[str, float]:
+    """How well the reward model ranks the SFT policy's own samples of held-out prompts: the share of
+    (right, wrong) sample pairs of one prompt it orders right, and how often its top-scored sample
+    is right ("best of n") against how often any sample is ("oracle")."""
+    import torch
+
+    from verl_core.data import tokenize_prompts
+    from verl_core.policies import LLMPolicy
+    from verl_core.rewards import RewardModel
+    from verl_core.rewards.rules import RULE_REWARDS
+    from verl_core.rollout import HFRolloutBackend, SamplingParams, decode_responses
+
+    policy = LLMPolicy.from_pretrained(base)
+    tok = policy.tokenizer
+    prompt_ids = [e["prompt_ids"] for e in tokenize_prompts(rows, tok, 256)]
+    rollout = HFRolloutBackend(policy.model, tok.eos_token_id, tok.pad_token_id).generate(
+        prompt_ids, SamplingParams(max_new_tokens=24, temperature=1.0, n=n, batch_size=256), seed=0)
+    texts, groups = decode_responses(tok, rollout), rollout.group_index.tolist()
+    right = torch.tensor(RULE_REWARDS["exact_match"](texts, [rows[g]["ground_truth"] for g in groups])) > 0
+    scores = RewardModel.from_pretrained(reward_model).score([rows[g]["prompt"] for g in groups], texts).float()
+    right, scores = right.view(len(rows), n), scores.view(len(rows), n)
+    ordered = (scores[:, :, None] > scores[:, None, :]) & right[:, :, None] & ~right[:, None, :]
+    pairs = (right[:, :, None] & ~right[:, None, :]).sum().item()
+    return {"pair_order": ordered.sum().item() / max(pairs, 1),
+            "best_of_n": right.gather(1, scores.argmax(1, keepdim=True)).float().mean().item(),
+            "oracle": right.any(1).float().mean().item()}
 
 
 def run(algorithm: str, base: Path, eval_rows: list[dict], reward_model: Path | None, extra: dict) -> tuple[float, dict]:
@@ -106,6 +145,7 @@ def run(algorithm: str, base: Path, eval_rows: list[dict], reward_model: Path | 
     start = time.perf_counter()
     if algorithm == "ppo_rm":
         trainer = PPOTrainer(policy=policy, reward_model=RewardModel.from_pretrained(reward_model), prompts=prompts,
+                             reward_rules={"exact_match": 0.0},  # logged as reward/exact_match, adds nothing
                              eval_prompts=eval_rows, **settings)
     elif algorithm == "ppo":
         trainer = PPOTrainer(policy=policy, reward_rules={"exact_match": 1.0}, prompts=prompts, eval_prompts=eval_rows, **settings)
@@ -119,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_base_arguments(parser, threads=1)  # 1 is fastest for the tiny model on shared cores
     parser.add_argument("--algorithms", default="grpo,ppo", help=f"comma-separated, from {sorted(PRESETS)}")
-    parser.add_argument("--rm-steps", type=int, default=300)
+    parser.add_argument("--rm-steps", type=int, default=800, help="ppo_rm: reward-model steps (batch 64)")
+    parser.add_argument("--rm-prompts", type=int, default=2048, help="ppo_rm: prompts the SFT policy samples 8 answers to")
     parser.add_argument("--eval-rows", type=int, default=200)
     parser.add_argument("--steps", type=int, help="override max_steps of every algorithm")
     parser.add_argument("--target", type=float, default=0.075,
@@ -142,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown algorithms {sorted(unknown)}; choose from {sorted(PRESETS)}")
     reward_model = None
     if "ppo_rm" in algorithms:
-        reward_model = build_reward_model(base, out / "rm", args.rm_steps)
+        reward_model = build_reward_model(base, out / "rm", args.rm_steps, args.rm_prompts)
+        quality = reward_model_reranking(base, reward_model, eval_rows)
+        print(f"reward model on 8 SFT samples per held-out prompt: orders right over wrong {quality['pair_order']:.3f}, "
+              f"best of 8 right {quality['best_of_n']:.3f} (any right {quality['oracle']:.3f})", flush=True)
     extra = {"max_steps": args.steps} if args.steps else {}
     rows = []
     for algorithm in algorithms:

@@ -58,6 +58,7 @@ class BenchSpec:
     # our speed features (each switchable)
     packing: bool = True
     share_prompt: bool = True
+    prune_last_layer: bool = True  # with packing: the last layer only where the loss reads (verl_core.packing.last_layer_only_at)
     row_capacity: str = "auto"  # tokens per packed row: a number, "longest" (unit), "none" (one row), "auto"
     fp32_cpu_attention: bool = True  # SDPA in fp32 under CPU autocast (verl_core.packing.use_fp32_cpu_attention)
     precompute_ref: bool = True

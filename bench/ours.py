@@ -34,7 +34,8 @@ def _common(spec: BenchSpec) -> dict[str, Any]:
 def _packing_overrides(spec: BenchSpec, pairs: bool) -> dict[str, Any]:
     if not spec.packing:
         return {}
-    out: dict[str, Any] = {"packing": True, "packing_row_tokens": spec.resolved_row_capacity()}
+    out: dict[str, Any] = {"packing": True, "packing_row_tokens": spec.resolved_row_capacity(),
+                           "prune_last_layer": spec.prune_last_layer}
     if pairs:
         out["share_prompt"] = spec.share_prompt
     return out
@@ -59,14 +60,15 @@ def run(algo: str, spec: BenchSpec, clock: StepClock) -> dict[str, Any]:
     if algo == "grpo":
         from verl_core.algorithms.grpo import GRPOConfig, GRPOTrainer
 
-        cfg = GRPOConfig(**common, packing=spec.packing, num_generations=spec.num_generations,
+        cfg = GRPOConfig(**common, packing=spec.packing, prune_last_layer=spec.prune_last_layer, num_generations=spec.num_generations,
                          max_new_tokens=spec.max_completion_length, temperature=spec.temperature,
                          max_prompt_length=spec.max_prompt_length)
         trainer = GRPOTrainer(policy=path, config=cfg, prompts=rows, callbacks=callbacks)
         attention = _fp32_attention(spec, trainer.policy.model)
         clock.mark("setup_done")
         trainer.train()
-        shared = "shared-prompt update (packing=True: one prompt per group)" if spec.packing else None
+        shared = ("shared-prompt update (packing=True: one prompt per group"
+                  + (", last layer only at response positions)" if spec.prune_last_layer else ")") if spec.packing else None)
         return {"features": ", ".join(filter(None, ["bf16 autocast" if spec.dtype == "bf16" else "fp32", attention,
                                                     "KV-cached batched rollout with early stop",
                                                     "logits only at response positions", shared]))}
@@ -93,7 +95,8 @@ def run(algo: str, spec: BenchSpec, clock: StepClock) -> dict[str, Any]:
     features = ["bf16 autocast" if spec.dtype == "bf16" else "fp32", "chunked log-probs"] + ([attention] if attention else [])
     if spec.packing:
         features.append(f"packing=True (row capacity {spec.resolved_row_capacity()}"
-                        + (", shared prompt" if algo != "sft" and spec.share_prompt else "") + ")")
+                        + (", shared prompt" if algo != "sft" and spec.share_prompt else "")
+                        + (", last layer only where read" if spec.prune_last_layer else "") + ")")
     if algo in ("dpo", "kto") and spec.precompute_ref:
         features.append("precomputed reference, freed")
     return {"features": ", ".join(features)}

@@ -1,6 +1,6 @@
 """Profile one side of one benchmark in this process: where does a step's time go?
 
-    python bench/profile_one.py ours dpo --steps 3 --threads 1 [--sort tottime] [--top 40]
+    python bench/profile_one.py ours dpo --steps 3 --threads 1 [--dtype fp32] [--sort tottime] [--top 40]
 
 Runs the same code as the benchmark (``bench/ours.py`` / ``bench/trl_side.py``) under cProfile
 on a small slice of the rows, and prints the step times and the top functions.
@@ -29,10 +29,11 @@ def main(argv=None) -> int:
     ap.add_argument("--sort", default="cumulative", choices=["cumulative", "tottime"])
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--no-packing", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="fp32 where the CPU has no fast bf16")
     ap.add_argument("--cache-dir", default="")
     args = ap.parse_args(argv)
     spec = dataclasses.replace(harness.BenchSpec(), rows=args.rows, warmup_steps=1, steps=args.steps, threads=args.threads,
-                               cache_dir=args.cache_dir, packing=not args.no_packing)
+                               cache_dir=args.cache_dir, packing=not args.no_packing, dtype=args.dtype)
     harness.prepare_torch(spec)
     clock = harness.StepClock(spec.resolved_device())
     if args.impl == "ours":

@@ -46,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--no-packing", action="store_true")
     ap.add_argument("--no-share-prompt", action="store_true")
+    ap.add_argument("--no-prune-last-layer", action="store_true", help="run the last decoder layer at every position")
     ap.add_argument("--row-capacity", default="auto",
                     help="tokens per packed row: a number, 'longest' (the longest unit), 'none' (one row) or 'auto' "
                          "(longest on CPU, one row on GPU)")
@@ -64,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def spec_from(args: argparse.Namespace) -> BenchSpec:
     spec = BenchSpec(device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, packing=not args.no_packing,
                      share_prompt=not args.no_share_prompt, precompute_ref=not args.no_precompute,
+                     prune_last_layer=not args.no_prune_last_layer,
                      trl_precompute_ref=args.trl_precompute, threads=args.threads,
                      clock=args.clock)
     if args.quick:

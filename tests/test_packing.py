@@ -340,3 +340,58 @@ def test_shared_prompts_are_refused_for_flash_attention(tiny_path):
     with pytest.raises(ConfigError, match="share_prompt=False"):
         DPOTrainer(**common)
     assert DPOTrainer(**common, share_prompt=False).config.packing
+
+
+# -- the last decoder layer only where the loss reads ----------------------------------------------
+def _mlp_rows(model):
+    """Rows the last layer's MLP sees in each call (a forward hook)."""
+    seen = []
+    model.model.layers[-1].mlp.register_forward_hook(lambda _m, inputs, _out: seen.append(inputs[0].shape[0] * inputs[0].shape[1]))
+    return seen
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_pruned_last_layer_gives_the_full_layers_logprobs_and_gradients(tiny_path, tok, pair_examples, impl):
+    model = _model(tiny_path, impl).train()
+    assert packing.can_prune_last_layer(model)
+    seen = _mlp_rows(model)
+    results = []
+    for prune in (False, True):
+        batch = packing.collate_packed_pairs(pair_examples, tok.pad_token_id, row_capacity=100, prune_last_layer=prune)
+        lp = sequence_logps(model_token_logprobs(model, batch), batch["loss_mask"])
+        grads = torch.autograd.grad(lp.sum(), [p for p in model.parameters()], allow_unused=True)
+        results.append((lp.detach(), grads))
+    full_rows, pruned_rows = seen
+    assert pruned_rows < 0.7 * full_rows  # the prompts' positions (but their last) are skipped
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
+    for g_full, g_pruned in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(g_pruned, g_full, rtol=1e-4, atol=1e-5)
+    assert "forward" not in vars(model.model.layers[-1])  # the layer's own forward is back
+
+
+def test_pruned_reward_scores_compute_one_position_per_sequence(tiny_path, tok, pair_examples):
+    model = load_reward_model(tiny_path).eval()
+    seen = _mlp_rows(model)
+    full = packing.packed_pair_rewards(model, packing.collate_packed_pairs(pair_examples, tok.pad_token_id, prune_last_layer=False))
+    pruned = packing.packed_pair_rewards(model, packing.collate_packed_pairs(pair_examples, tok.pad_token_id))
+    torch.testing.assert_close(torch.cat(pruned), torch.cat(full), rtol=1e-5, atol=1e-5)
+    assert seen[1] == 2 * len(pair_examples)  # one row of packed units: chosen's and rejected's last tokens
+
+
+def test_pruned_response_logits_equal_unpruned_and_flash_attention_is_not_pruned(tiny_path, tok):
+    from verl_core.logprobs import selected_logprobs
+    from verl_core.rollout import HFRolloutBackend, SamplingParams
+
+    model = _model(tiny_path)
+    prompts = [e["prompt_ids"] for e in tokenize_prompts(arithmetic.prompt_rows(3), tok, 64)]
+    rollout = HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id).generate(prompts, SamplingParams(max_new_tokens=8, n=2), seed=0)
+    batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "response_ids": rollout.response_ids,
+             "response_mask": rollout.response_mask}
+    mask = batch["response_mask"].bool()
+    lps = [selected_logprobs(packing.packed_response_logits(model, batch, tok.pad_token_id, prune_last_layer=p),
+                             batch["response_ids"])[mask] for p in (False, True)]
+    torch.testing.assert_close(lps[1], lps[0], rtol=1e-5, atol=1e-5)
+    model.config._attn_implementation = "flash_attention_2"
+    assert not packing.can_prune_last_layer(model)
+    with packing.last_layer_only_at(model, torch.ones(1, 4, dtype=torch.bool)) as pruned:
+        assert not pruned

@@ -40,13 +40,16 @@ layout fails loudly instead of reading packed rows as padded ones.
 """
 from __future__ import annotations
 
-from typing import Sequence, Union
+import contextlib
+import sys
+from typing import Iterator, Sequence, Union
 
 import torch
 
 from verl_core.logprobs import entropy_from_logits, selected_logprobs
 
 PACKED_KEY = "packed_index"
+PRUNE_KEY = "prune_last_layer"  # 0-dim bool in a packed batch: see last_layer_only_at
 FP32_CPU_SDPA = "sdpa_fp32_cpu"
 _MASK_IMPLS = ("sdpa", "eager", FP32_CPU_SDPA)
 
@@ -60,7 +63,8 @@ RowCapacity = Union[int, None, str]
 
 
 def collate_packed(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Sequence[int]]], pad_id: int,
-                   share_prompt: bool = True, row_capacity: RowCapacity = None) -> dict[str, torch.Tensor]:
+                   share_prompt: bool = True, row_capacity: RowCapacity = None,
+                   prune_last_layer: bool = True) -> dict[str, torch.Tensor]:
     """Pack ``len(prompts)`` units; ``completions[k][i]`` is the k-th completion of prompt ``i``.
 
     Logical sequence ``s = k * B + i`` is ``prompts[i] + completions[k][i]`` (the row order of
@@ -70,7 +74,8 @@ def collate_packed(prompts: Sequence[Sequence[int]], completions: Sequence[Seque
     and a unit longer than the capacity gets a row of its own; ``None`` packs one row;
     ``"longest"`` uses the longest unit of the batch, so no row attends over more tokens than
     the padded layout would (the best choice when attention cost grows with the row, e.g. SDPA
-    with a dense mask on CPU), while short units still share rows.
+    with a dense mask on CPU), while short units still share rows. ``prune_last_layer`` is
+    recorded in the batch for the forward functions (:func:`last_layer_only_at`).
     """
     n_units, n_branches = len(prompts), len(completions)
     if any(len(c) != n_units for c in completions):
@@ -82,7 +87,9 @@ def collate_packed(prompts: Sequence[Sequence[int]], completions: Sequence[Seque
     else:
         units = [(list(prompts[i]), [list(completions[k][i])], [k * n_units + i])
                  for k in range(n_branches) for i in range(n_units)]
-    return pack_units(units, n_units * n_branches, pad_id, row_capacity)
+    batch = pack_units(units, n_units * n_branches, pad_id, row_capacity)
+    batch[PRUNE_KEY] = torch.tensor(bool(prune_last_layer))
+    return batch
 
 
 Unit = tuple  # (prompt ids, [completion ids per branch], [logical sequence index per branch])
@@ -143,27 +150,28 @@ def pack_units(units: Sequence[Unit], n_seq: int, pad_id: int, row_capacity: Row
             PACKED_KEY: index, "loss_mask": loss_mask}
 
 
-def collate_packed_sft(examples: list[dict], pad_id: int, row_capacity: RowCapacity = None) -> dict[str, torch.Tensor]:
+def collate_packed_sft(examples: list[dict], pad_id: int, row_capacity: RowCapacity = None,
+                       prune_last_layer: bool = True) -> dict[str, torch.Tensor]:
     """Packed counterpart of :func:`~verl_core.data.collate_sft`."""
     return collate_packed([e["prompt_ids"] for e in examples], [[e["completion_ids"] for e in examples]], pad_id,
-                          share_prompt=False, row_capacity=row_capacity)
+                          share_prompt=False, row_capacity=row_capacity, prune_last_layer=prune_last_layer)
 
 
 def collate_packed_pairs(examples: list[dict], pad_id: int, share_prompt: bool = True,
-                         row_capacity: RowCapacity = None) -> dict[str, torch.Tensor]:
+                         row_capacity: RowCapacity = None, prune_last_layer: bool = True) -> dict[str, torch.Tensor]:
     """Packed counterpart of :func:`~verl_core.data.collate_pairs`: logical rows chosen ``0..B-1``, rejected ``B..2B-1``."""
     return collate_packed([e["prompt_ids"] for e in examples],
                           [[e["chosen_ids"] for e in examples], [e["rejected_ids"] for e in examples]],
-                          pad_id, share_prompt=share_prompt, row_capacity=row_capacity)
+                          pad_id, share_prompt=share_prompt, row_capacity=row_capacity, prune_last_layer=prune_last_layer)
 
 
 def collate_packed_kto(examples: list[dict], pad_id: int, share_prompt: bool = True,
-                       row_capacity: RowCapacity = None) -> dict[str, torch.Tensor]:
+                       row_capacity: RowCapacity = None, prune_last_layer: bool = True) -> dict[str, torch.Tensor]:
     """Packed KTO batch: logical rows target ``0..B-1`` (prompt + completion), KL ``B..2B-1``
     (prompt + ``kl_completion_ids``), plus ``labels``; the prompt is shared by both."""
     batch = collate_packed([e["prompt_ids"] for e in examples],
                            [[e["completion_ids"] for e in examples], [e["kl_completion_ids"] for e in examples]],
-                           pad_id, share_prompt=share_prompt, row_capacity=row_capacity)
+                           pad_id, share_prompt=share_prompt, row_capacity=row_capacity, prune_last_layer=prune_last_layer)
     batch["labels"] = torch.tensor([e["label"] for e in examples], dtype=torch.bool)
     return batch
 
@@ -199,6 +207,93 @@ def packed_attention_mask(batch: dict[str, torch.Tensor], additive_dtype: torch.
     if additive_dtype is None:
         return mask
     return torch.zeros(mask.shape, dtype=additive_dtype, device=mask.device).masked_fill(~mask, torch.finfo(additive_dtype).min)
+
+
+# Decoder layers whose structure last_layer_only_at knows: pre-norm attention (q/k/v/o
+# projections, rotary embeddings, no q/k norms) then a pre-norm MLP, each with a residual.
+PRUNABLE_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+
+
+def _last_decoder_layer(model) -> torch.nn.Module | None:
+    inner = getattr(_base_module(model), "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers:
+        return None
+    layer = layers[getattr(inner.config, "num_hidden_layers", len(layers)) - 1]
+    return layer if type(layer).__name__ in PRUNABLE_LAYERS else None
+
+
+def can_prune_last_layer(model) -> bool:
+    """Whether :func:`last_layer_only_at` can prune this model (a known decoder layer, and an
+    attention that takes an explicit mask)."""
+    return _last_decoder_layer(model) is not None and attn_implementation(model) in _MASK_IMPLS
+
+
+@contextlib.contextmanager
+def last_layer_only_at(model, keep: torch.Tensor | None) -> Iterator[bool]:
+    """Inside the block, the model's LAST decoder layer computes its attention output and MLP only
+    at the positions where ``keep`` (``[R, C]`` bool) is True; elsewhere it outputs zeros.
+
+    Only the last layer can be cut: every position's hidden state in the layers below feeds the
+    keys and values that kept positions attend to. Its queries, attention output, ``o_proj`` and
+    MLP are needed only where a logit or score is read: in SFT / DPO / KTO batches the prompt
+    tokens (all but the last) are not, in a reward-model batch only each sequence's last token
+    is. Keys and values are still computed at every position. The result at kept positions is
+    the full layer's (tests/test_packing.py); yields whether the model was pruned (a model
+    :func:`can_prune_last_layer` rejects runs in full).
+    """
+    layer = _last_decoder_layer(model) if keep is not None and attn_implementation(model) in _MASK_IMPLS else None
+    if layer is None:
+        yield False
+        return
+    layer.forward = lambda hidden_states, *args, **kwargs: _pruned_layer_forward(layer, keep, hidden_states, *args, **kwargs)
+    try:
+        yield True
+    finally:
+        del layer.forward
+
+
+def _pruned_layer_forward(layer, keep: torch.Tensor, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                          position_ids=None, position_embeddings=None, **kwargs) -> torch.Tensor:
+    if attention_mask is None or attention_mask.dim() != 4 or position_embeddings is None:
+        return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                   position_embeddings=position_embeddings, **kwargs)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attn = layer.self_attn
+    impl = sys.modules[type(attn).__module__]  # the model file's own rotary and eager attention functions
+    rows, width, hidden = hidden_states.shape
+    keep = keep.to(hidden_states.device)
+    counts = keep.sum(1)
+    k_max = max(1, int(counts.max()))
+    cols = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :k_max]  # kept columns first, in order
+    valid = torch.arange(k_max, device=keep.device)[None, :] < counts[:, None]
+
+    def at_kept(t: torch.Tensor) -> torch.Tensor:  # [R, C, D] -> [R, K, D]
+        t = t.expand(rows, *t.shape[1:])
+        return t.gather(1, cols[..., None].expand(-1, -1, t.shape[-1]))
+
+    x = layer.input_layernorm(hidden_states)
+    head_dim = attn.head_dim
+    q = attn.q_proj(at_kept(x)).view(rows, k_max, -1, head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(rows, width, -1, head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(rows, width, -1, head_dim).transpose(1, 2)
+    cos, sin = position_embeddings
+    q = impl.apply_rotary_pos_emb(q, q, at_kept(cos), at_kept(sin))[0]
+    k = impl.apply_rotary_pos_emb(k, k, cos, sin)[1]
+    mask = attention_mask.expand(rows, -1, -1, -1)
+    mask = mask.gather(2, cols[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1]))
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, impl.eager_attention_forward)
+    out, _ = attention(attn, q, k, v, mask, dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling)
+    h = at_kept(hidden_states) + attn.o_proj(out.reshape(rows, k_max, -1))
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    row_index = torch.arange(rows, device=keep.device)[:, None].expand(-1, k_max)
+    return hidden_states.new_zeros(rows, width, hidden).index_put((row_index[valid], cols[valid]), h[valid])
+
+
+def _prune(batch: dict[str, torch.Tensor]) -> bool:
+    flag = batch.get(PRUNE_KEY)
+    return True if flag is None else bool(flag)
 
 
 def packed_forward(model, batch: dict[str, torch.Tensor], **kwargs):
@@ -240,10 +335,11 @@ def packed_token_logprobs(model, batch: dict[str, torch.Tensor], with_entropy: b
     rows, width = batch["input_ids"].shape
     keep = torch.zeros(rows * width, dtype=torch.bool, device=predictor.device)
     keep[predictor] = True
-    try:
-        logits = packed_forward(model, batch, logits_to_keep=keep.view(rows, width)).logits
-    except TypeError:  # a model whose forward has no logits_to_keep
-        logits = packed_forward(model, batch).logits
+    with last_layer_only_at(model, keep.view(rows, width) if _prune(batch) else None):
+        try:
+            logits = packed_forward(model, batch, logits_to_keep=keep.view(rows, width)).logits
+        except TypeError:  # a model whose forward has no logits_to_keep
+            logits = packed_forward(model, batch).logits
     if logits.dim() == 3:  # every position was computed
         picked = logits.reshape(rows * width, -1)[predictor]
     else:  # [kept, V] in flat order
@@ -259,7 +355,7 @@ def packed_token_logprobs(model, batch: dict[str, torch.Tensor], with_entropy: b
 
 
 def packed_response_logits(model, batch: dict[str, torch.Tensor], pad_id: int = 0,
-                           row_capacity: RowCapacity = "longest") -> torch.Tensor:
+                           row_capacity: RowCapacity = "longest", prune_last_layer: bool = True) -> torch.Tensor:
     """:func:`verl_core.algorithms.online.lm_response_logits` with each distinct prompt computed once.
 
     ``batch`` is an online micro-batch (``input_ids`` = left-padded prompt + right-padded response,
@@ -293,10 +389,11 @@ def packed_response_logits(model, batch: dict[str, torch.Tensor], pad_id: int = 
     width = packed["input_ids"].shape[1]
     keep = torch.zeros(packed["input_ids"].numel(), dtype=torch.bool, device=ids.device)
     keep[flat] = True
-    try:
-        logits = packed_forward(model, packed, logits_to_keep=keep.view(-1, width)).logits
-    except TypeError:
-        logits = packed_forward(model, packed).logits
+    with last_layer_only_at(model, keep.view(-1, width) if prune_last_layer else None):
+        try:
+            logits = packed_forward(model, packed, logits_to_keep=keep.view(-1, width)).logits
+        except TypeError:
+            logits = packed_forward(model, packed).logits
     if logits.dim() == 3:
         picked = logits.reshape(keep.shape[0], -1)[flat]
     else:
@@ -355,14 +452,17 @@ def packed_sequence_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tenso
     ``AutoModelForSequenceClassification`` does). The per-token scores are taken from the score
     head with a forward hook, so the call still goes through the (wrapped) model's forward."""
     captured: dict[str, torch.Tensor] = {}
+    index = batch[PACKED_KEY]
+    last = index.gather(1, ((index >= 0).sum(-1, keepdim=True) - 1)).squeeze(1)
+    keep = torch.zeros(batch["input_ids"].numel(), dtype=torch.bool, device=last.device)
+    keep[last] = True
     hook = _score_head(model).register_forward_hook(lambda _m, _i, out: captured.__setitem__("scores", out))
     try:
-        packed_forward(model, batch)
+        with last_layer_only_at(model, keep.view(batch["input_ids"].shape) if _prune(batch) else None):
+            packed_forward(model, batch)
     finally:
         hook.remove()
     scores = captured["scores"]
-    index = batch[PACKED_KEY]
-    last = index.gather(1, ((index >= 0).sum(-1, keepdim=True) - 1)).squeeze(1)
     return scores.reshape(-1, scores.shape[-1])[last, 0].float()
 
 

@@ -28,6 +28,9 @@ class PackingSettings(StrictConfig):
     packing_row_tokens: Annotated[int, Field(ge=1)] | Literal["longest"] | None = Field(
         "longest", description="tokens per packed row: 'longest' = the batch's longest sequence (no row attends over "
                                "more than padding would), a number, or null for one row")
+    prune_last_layer: bool = Field(True, description="with packing: the last decoder layer computes its attention output "
+                                                     "and MLP only where the loss reads a logit or score (Llama, Mistral, "
+                                                     "Qwen2 layers; other models run it in full)")
 
 
 class PairPackingSettings(PackingSettings):

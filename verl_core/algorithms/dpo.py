@@ -79,7 +79,7 @@ class DPOTrainer(PreferenceTrainer):
 
     def collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         c, pad = self.config, self.tokenizer.pad_token_id
-        batch = (collate_packed_pairs(examples, pad, c.share_prompt, c.packing_row_tokens) if c.packing
+        batch = (collate_packed_pairs(examples, pad, c.share_prompt, c.packing_row_tokens, c.prune_last_layer) if c.packing
                  else collate_pairs(examples, pad))
         return attach_reference(batch, examples)
 

@@ -40,6 +40,8 @@ class GRPOConfig(OnlineConfig):
     gamma: float = Field(1.0, ge=0, le=1, description="reinforce_pp: discount of the return-to-go")
     packing: bool = Field(False, description="shared-prompt update: each prompt computed once for its group's "
                                              "completions, no pad token computed (needs sdpa or eager attention)")
+    prune_last_layer: bool = Field(True, description="with packing: the last decoder layer runs only at the positions "
+                                                     "that predict response tokens")
 
     @model_validator(mode="after")
     def _groups(self):
@@ -75,7 +77,8 @@ class GRPOTrainer(OnlineTrainer):
 
     def response_logits(self, model, batch):
         if self.config.packing:
-            return packed_response_logits(model, batch, self.policy.tokenizer.pad_token_id)
+            return packed_response_logits(model, batch, self.policy.tokenizer.pad_token_id,
+                                          prune_last_layer=self.config.prune_last_layer)
         return super().response_logits(model, batch)
 
     def compute_advantages(self, exp, scores):

@@ -89,7 +89,7 @@ class KTOTrainer(PreferenceTrainer):
         c = self.config
         if c.packing:
             return attach_reference(collate_packed_kto(examples, self.tokenizer.pad_token_id, c.share_prompt,
-                                                       c.packing_row_tokens), examples)
+                                                       c.packing_row_tokens, c.prune_last_layer), examples)
         prompts = [e["prompt_ids"] for e in examples]
         completions = [e["completion_ids"] for e in examples] + [e["kl_completion_ids"] for e in examples]
         batch = collate_sequences(prompts + prompts, completions, self.tokenizer.pad_token_id)

@@ -48,7 +48,8 @@ class RewardTrainer(OfflineTrainer):
     def collate(self, examples):
         c = self.config
         if c.packing:
-            batch = packing.collate_packed_pairs(examples, self.tokenizer.pad_token_id, c.share_prompt, c.packing_row_tokens)
+            batch = packing.collate_packed_pairs(examples, self.tokenizer.pad_token_id, c.share_prompt, c.packing_row_tokens,
+                                                 c.prune_last_layer)
         else:
             batch = collate_pairs(examples, self.tokenizer.pad_token_id)
         if self.config.margin is not None:

@@ -33,7 +33,8 @@ class SFTTrainer(OfflineTrainer):
 
     def collate(self, examples):
         if self.config.packing:
-            return collate_packed_sft(examples, self.tokenizer.pad_token_id, self.config.packing_row_tokens)
+            c = self.config
+            return collate_packed_sft(examples, self.tokenizer.pad_token_id, c.packing_row_tokens, c.prune_last_layer)
         return collate_sft(examples, self.tokenizer.pad_token_id)
 
     def loss(self, model, batch) -> LossOutput:

@@ -128,3 +128,21 @@ def test_greedy_matches_hf_generate_and_does_not_depend_on_chunking(tiny):
     chunked = backend.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8, batch_size=2), seed=0)
     assert whole.response_lists() == chunked.response_lists()
     assert decode_responses(tok, whole) == greedy_completions(model, tok, prompts, max_new_tokens=8)
+
+
+def test_each_distinct_prompt_is_prefilled_once_and_split_groups_still_match(tiny):
+    model, tok = tiny
+    prompts = [p[:k] for p, k in zip(_prompts(tok), (20, 11, 16))]
+    calls = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda _m, inputs, _out: calls.append(tuple(inputs[0].shape)))
+    backend = HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id)
+    try:
+        whole = backend.generate(prompts, SamplingParams(temperature=0, n=4, max_new_tokens=5), seed=0)
+        prefill_rows = calls[0][0]
+        calls.clear()
+        split = backend.generate(prompts, SamplingParams(temperature=0, n=4, max_new_tokens=5, batch_size=6), seed=0)
+    finally:
+        hook.remove()
+    assert prefill_rows == 3  # not 12
+    assert [c[0] for c in calls if c[1] > 1] == [2, 2]  # chunks of 6 rows: prompts {0, 1} and {1, 2}
+    assert split.response_lists() == whole.response_lists()

@@ -175,12 +175,23 @@ class HFRolloutBackend:
     def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator,
                         device: torch.device) -> RolloutBatch:
         n = len(rows)
-        prompt = pad_to(rows, self.pad_token_id, side="left").to(device)
-        prompt_mask = pad_to([[1] * len(r) for r in rows], 0, side="left").to(device)
+        # The n samples of a prompt share ONE prefill: each distinct prompt is run once, then its KV
+        # cache and first logits are copied to every row that samples from it.
+        distinct: dict[tuple, int] = {}
+        source = torch.tensor([distinct.setdefault(tuple(r), len(distinct)) for r in rows], device=device)
+        unique_rows = [list(r) for r in distinct]
+        prompt = pad_to(unique_rows, self.pad_token_id, side="left").to(device)
+        prompt_mask = pad_to([[1] * len(r) for r in unique_rows], 0, side="left").to(device)
+        positions = position_ids_from_mask(prompt_mask)
+        logits, cache = self._forward(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions)
+        prompt, prompt_mask, positions, logits = prompt[source], prompt_mask[source], positions[source], logits[source]
+        if len(unique_rows) < n:
+            if hasattr(cache, "batch_select_indices"):
+                cache.batch_select_indices(source)
+            else:  # a cache this code cannot copy rows of: prefill every row
+                logits, cache = self._forward(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions)
         eos_ids = self.eos_ids.to(device)
         mask = prompt_mask.clone()
-        positions = position_ids_from_mask(mask)
-        logits, cache = self._forward(input_ids=prompt, attention_mask=mask, position_ids=positions)
         next_pos = positions[:, -1:] + 1
         done = torch.zeros(n, dtype=torch.bool, device=device)
         tokens, logps, alive = [], [], []

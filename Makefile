@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	rm -f $(VENV)/.installed-* && touch $@
 
 run: $(STAMP)
-	$(PY) -m verl_core.cli run $(ARGS)
+	$(PY) -m flows.cli run $(ARGS)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(ARGS)  # no path given: pyproject testpaths (tests/)

@@ -1,4 +1,4 @@
-"""Prefect flows: the RLHF pipeline and one flow per stage.
+"""Prefect flows: the RLHF pipeline, and one stage flow parametrised by the step it computes.
 
 The flow parameter is the pydantic :class:`PipelineConfig` (the same object
 ``configs/default.yaml`` loads into), so the Prefect UI shows it as a form.
@@ -6,16 +6,19 @@ The flow parameter is the pydantic :class:`PipelineConfig` (the same object
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel, Field
 
-from tasks import TASKS
-from tasks.common import configured
-from verl_core import stages, tracking
-from verl_core.pipeline_config import STAGE_ORDER, PipelineConfig
-from verl_core.stages import StageRecord
+from tasks import task_for
+from verl_core.pipeline import tracking
+from verl_core.pipeline.config import PipelineConfig
+from verl_core.pipeline.records import StageRecord
+from verl_core.pipeline.registry import STAGE_ORDER, given_record, stage_enabled, stage_for
+
+StageName = Literal[STAGE_ORDER]  # type: ignore[valid-type]
 
 
 class PipelineResult(BaseModel):
@@ -69,23 +72,24 @@ class PipelineRun:
     def stage(self, name: str) -> StageRecord | None:
         if name in self.result.records:
             return self.result.records[name]
-        record, state = stages.given_record(self.config, name), "Given"
-        if record is None and not stages.stage_enabled(self.config, name):
+        record, state = given_record(self.config, name), "Given"
+        if record is None and not stage_enabled(self.config, name):
             state = "Skipped"
         elif record is None:
-            spec = stages.stage_for(self.config, name)
+            spec = stage_for(self.config, name)
             inputs = {i: self.stage(i) for i in spec.input_names(self.config) + spec.optional}
             record, state = self._run_task(name, inputs)
         self.result.records[name], self.result.states[name] = record, state
         return record
 
     def _run_task(self, name: str, inputs: dict[str, StageRecord | None]) -> tuple[StageRecord, str]:
-        task = configured(TASKS[name], self.config)
-        state = task(self.config, inputs, parent_run_id=self.result.mlflow_run_id, return_state=True)
+        task = task_for(name, self.config)
+        state = task(name, self.config, inputs, parent_run_id=self.result.mlflow_run_id, return_state=True)
         record = state.result()  # re-raises the task's exception
         if state.is_completed() and state.name == "Cached" and not Path(record.output_path).exists():
             # The cache record outlived its output folder: compute it again.
-            state = task.with_options(refresh_cache=True)(self.config, inputs, parent_run_id=self.result.mlflow_run_id, return_state=True)
+            state = task.with_options(refresh_cache=True)(name, self.config, inputs, parent_run_id=self.result.mlflow_run_id,
+                                                          return_state=True)
             record = state.result()
         return record, state.name
 
@@ -97,16 +101,10 @@ class PipelineRun:
 
 
 def run_pipeline(config: PipelineConfig, flow_name: str, until: str | None = None) -> PipelineResult:
-    """All stages in order (or just ``until`` and what it needs)."""
+    """Every step in registry order (or just ``until`` and what it needs)."""
     with PipelineRun(config, flow_name) as run:
-        if until is not None:
-            run.stage(until)
-        else:
-            run.stage("sft")                  # base model + SFT data -> SFT policy   (given: sft.model_path)
-            run.stage("preference_data")      # prompts -> (prompt, chosen, rejected) (given: preference_data.path)
-            run.stage("reward_model")         # pairs -> Bradley-Terry reward model   (given: reward_model.model_path)
-            run.stage("policy_optimisation")  # SFT policy -> final policy            (policy_optimisation.algorithm)
-            run.stage("evaluation")           # final vs SFT policy; register the final policy
+        for name in (until,) if until is not None else STAGE_ORDER:
+            run.stage(name)
     return run.result
 
 
@@ -119,36 +117,7 @@ def rlhf_pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
     return run_pipeline(config, "rlhf-pipeline")
 
 
-@flow(name="stage-sft")
-def sft_flow(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
-    return run_pipeline(config, "stage-sft", until="sft")
-
-
-@flow(name="stage-preference-data")
-def preference_data_flow(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
-    return run_pipeline(config, "stage-preference-data", until="preference_data")
-
-
-@flow(name="stage-reward-model")
-def reward_model_flow(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
-    return run_pipeline(config, "stage-reward-model", until="reward_model")
-
-
-@flow(name="stage-policy-optimisation")
-def policy_optimisation_flow(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
-    return run_pipeline(config, "stage-policy-optimisation", until="policy_optimisation")
-
-
-@flow(name="stage-evaluation")
-def evaluation_flow(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
-    return run_pipeline(config, "stage-evaluation", until="evaluation")
-
-
-STAGE_FLOWS = {
-    "sft": sft_flow,
-    "preference_data": preference_data_flow,
-    "reward_model": reward_model_flow,
-    "policy_optimisation": policy_optimisation_flow,
-    "evaluation": evaluation_flow,
-}
-assert set(STAGE_FLOWS) == set(STAGE_ORDER)
+@flow(name="stage", flow_run_name="stage-{stage}")
+def stage_flow(stage: StageName, config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
+    """One step and whatever it needs that is neither given nor cached."""
+    return run_pipeline(config, f"stage-{stage.replace('_', '-')}", until=stage)

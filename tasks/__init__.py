@@ -1,11 +1,4 @@
-"""Prefect tasks: one per pipeline stage (see ``tasks.stage_tasks``)."""
-from tasks.stage_tasks import (
-    TASKS,
-    evaluation_task,
-    policy_optimisation_task,
-    preference_data_task,
-    reward_model_task,
-    sft_task,
-)
+"""Prefect tasks: one task, parametrised by the pipeline step it runs (see ``tasks.stage_task``)."""
+from tasks.stage_task import execute, stage_task, task_for
 
-__all__ = ["TASKS", "evaluation_task", "policy_optimisation_task", "preference_data_task", "reward_model_task", "sft_task"]
+__all__ = ["execute", "stage_task", "task_for"]

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from verl_core.cli import build_parser, format_table, main
-from verl_core.pipeline_config import parse_overrides
+from flows.cli import build_parser, format_table, main
+from verl_core.pipeline.config import parse_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 

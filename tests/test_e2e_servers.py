@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_core.cli import launch, server_commands, stop, wait_http
+from flows.cli import launch, server_commands, stop, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

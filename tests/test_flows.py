@@ -13,11 +13,36 @@ from pathlib import Path
 
 import pytest
 
-from verl_core.pipeline_config import PipelineConfig, load_pipeline_config
-from verl_core.stages import FAULT_ENV, run_stage
+from verl_core.callbacks import Callback
+from verl_core.pipeline import PipelineConfig, load_pipeline_config, run_stage
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = ("sft", "preference_data", "reward_model", "policy_optimisation", "evaluation")
+
+
+class InjectedFault(RuntimeError):
+    """What the fault callback raises: a stand-in for a crash mid-training."""
+
+
+class FaultAfterFirstCheckpoint(Callback):
+    def __init__(self, fired: list[int]):
+        self.fired = fired
+
+    def on_checkpoint(self, step: int, path: str) -> None:
+        if not self.fired:
+            self.fired.append(step)
+            raise InjectedFault(f"injected fault after the checkpoint of step {step}")
+
+
+def inject_fault_once(monkeypatch, stage: str) -> list[int]:
+    """The step's training raises once, right after its first checkpoint (the "kill")."""
+    import tasks.stage_task as stage_task
+
+    fired: list[int] = []
+    real = stage_task.stage_callbacks
+    monkeypatch.setattr(stage_task, "stage_callbacks", lambda config, name, run_id: real(config, name, run_id) + (
+        [FaultAfterFirstCheckpoint(fired)] if name == stage else []))
+    return fired
 
 
 @pytest.fixture(scope="session")
@@ -153,23 +178,23 @@ def test_injected_fault_is_retried_and_the_retry_resumes_from_the_checkpoint(fir
     from flows import rlhf_pipeline
 
     cfg, _, _ = first
-    monkeypatch.setenv(FAULT_ENV, "reward_model")  # raises once, right after the step-20 checkpoint
+    fired = inject_fault_once(monkeypatch, "reward_model")  # raises once, right after the step-20 checkpoint
     result = rlhf_pipeline(cfg.updated(reward_model={**cfg.reward_model.model_dump(), "seed": 1, "max_steps": 40}))
     assert [result.states[s] for s in TRAINED] == ["Cached", "Cached", "Completed", "Cached", "Completed"]
-    assert result.records["reward_model"].extra["resumed_from_step"] == 20
+    assert fired == [20] and result.records["reward_model"].extra["resumed_from_step"] == 20
     assert task_runs(result.flow_run_id)["reward_model"].run_count == 2
     rm_runs = [r for r in children(cfg, result.mlflow_run_id) if r.data.tags["verl_core.stage"] == "reward_model"]
     assert len(rm_runs) == 1 and rm_runs[0].info.status == "FINISHED" and rm_runs[0].data.tags["prefect.attempt"] == "2"
 
 
 def test_killed_stage_resumes_on_rerun_and_ends_like_an_uninterrupted_run(first, monkeypatch, tmp_path):
-    from flows import reward_model_flow  # the stage's own flow: pulls cached SFT + pairs, no evaluation
+    from flows import stage_flow  # the step's own flow: pulls cached SFT + pairs, no evaluation
 
     cfg, first_result, _ = first
     cfg = cfg.updated(reward_model={**cfg.reward_model.model_dump(), "seed": 2, "max_steps": 40},
                       orchestration={**cfg.orchestration.model_dump(), "retries": 0})
-    monkeypatch.setenv(FAULT_ENV, "reward_model")  # the "kill": an exception after the first checkpoint, no retry
-    state = reward_model_flow(cfg, return_state=True)
+    inject_fault_once(monkeypatch, "reward_model")  # the "kill": an exception after the first checkpoint, no retry
+    state = stage_flow("reward_model", cfg, return_state=True)
     assert state.is_failed()
     c = mlflow_client(cfg)
     failed_parent = c.search_runs([c.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
@@ -177,8 +202,8 @@ def test_killed_stage_resumes_on_rerun_and_ends_like_an_uninterrupted_run(first,
     assert failed_parent.info.status == "FAILED"
     assert [r.info.status for r in children(cfg, failed_parent.info.run_id) if r.data.tags["verl_core.stage"] == "reward_model"] == ["FAILED"]
 
-    monkeypatch.delenv(FAULT_ENV)
-    resumed = reward_model_flow(cfg)
+    monkeypatch.undo()
+    resumed = stage_flow("reward_model", cfg)
     assert resumed.states == {"base": "Given", "sft": "Cached", "preference_data": "Cached", "reward_model": "Completed"}
     rm = resumed.records["reward_model"]
     assert rm.extra["resumed_from_step"] == 20

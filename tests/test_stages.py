@@ -7,18 +7,10 @@ from pathlib import Path
 import pytest
 
 from verl_core.config import ConfigError
-from verl_core.pipeline_config import PipelineConfig, load_pipeline_config
-from verl_core.stages import (
-    STAGES,
-    StageRecord,
-    fingerprint_path,
-    given_record,
-    run_stage,
-    stage_dir,
-    stage_enabled,
-    stage_for,
-    stage_key,
-)
+from verl_core.fingerprint import fingerprint_path
+from verl_core.pipeline import STAGES, PipelineConfig, StageRecord, given_record, load_pipeline_config, run_stage
+from verl_core.pipeline.keys import stage_dir, stage_key
+from verl_core.pipeline.registry import stage_enabled, stage_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +30,25 @@ def test_default_yaml_loads_into_the_pipeline_config_and_matches_its_defaults():
     assert from_yaml == PipelineConfig()
 
 
+def test_pipeline_sections_take_their_defaults_from_the_trainer_configs_except_the_recipe():
+    """One source of defaults: a pipeline section's default is its trainer config's, unless the
+    recipe (verl_core/pipeline/config.py:RECIPE) names it; nothing else overrides."""
+    from verl_core.algorithms.registry import ALGORITHMS
+    from verl_core.pipeline.config import RECIPE
+
+    cfg = PipelineConfig()
+    for name, algorithm in ALGORITHMS.items():
+        section, plain = getattr(cfg.policy_optimisation, name), algorithm.config_cls()
+        # num_epochs is derived (1.0 when max_steps is unset), not a default
+        differs = {k for k in type(plain).model_fields if getattr(section, k) != getattr(plain, k)} - {"num_epochs"}
+        assert differs <= set(RECIPE.get(name, {})), (name, differs - set(RECIPE.get(name, {})))
+        assert isinstance(section, algorithm.config_cls)
+    assert cfg.policy_optimisation.dpo.beta == RECIPE["dpo"]["beta"] != ALGORITHMS["dpo"].config_cls().beta
+    # a partial override keeps the recipe's other values
+    cfg = load_pipeline_config(None, ["policy_optimisation.dpo.max_steps=3"])
+    assert cfg.policy_optimisation.dpo.beta == RECIPE["dpo"]["beta"] and cfg.policy_optimisation.dpo.max_steps == 3
+
+
 def test_dotted_overrides_are_typed_and_unknown_keys_rejected():
     cfg = load_pipeline_config(ROOT / "configs" / "default.yaml", ["sft.max_steps=7", "sft.model_path=null", "reward_model.enabled=false"])
     assert cfg.sft.max_steps == 7 and cfg.sft.model_path is None and cfg.reward_model.enabled is False
@@ -48,7 +59,7 @@ def test_dotted_overrides_are_typed_and_unknown_keys_rejected():
 def test_every_selectable_variant_has_a_config_section_and_a_registered_stage():
     from typing import get_args
 
-    from verl_core.pipeline_config import PolicyAlgorithm, PreferenceMethod
+    from verl_core.pipeline.config import PolicyAlgorithm, PreferenceMethod
 
     for name in get_args(PolicyAlgorithm):
         cfg = load_pipeline_config(None, [f"policy_optimisation.algorithm={name}"])

@@ -1,12 +1,14 @@
 """verl_core: LLM post-training on one shared engine.
 
-    from verl_core import SFTTrainer, RewardTrainer
+    from verl_core import SFTTrainer, DPOTrainer, GRPOTrainer
     SFTTrainer("path/to/model", train_dataset=rows, max_steps=300).train()
+
+Every policy-optimisation algorithm's trainer and config class is exported here from the
+algorithm registry (:data:`verl_core.algorithms.registry.ALGORITHMS`). This package never
+imports Prefect or MLflow; the pipeline layer lives in :mod:`verl_core.pipeline`.
 """
-from verl_core.algorithms.dpo import DPOConfig, DPOTrainer, ORPOConfig, ORPOTrainer, SimPOConfig, SimPOTrainer
-from verl_core.algorithms.grpo import GRPOConfig, GRPOTrainer, ReinforcePPConfig, ReinforcePPTrainer, RLOOConfig, RLOOTrainer
-from verl_core.algorithms.kto import KTOConfig, KTOTrainer
-from verl_core.algorithms.ppo import PPOConfig, PPOTrainer, Trainer
+from verl_core.algorithms.ppo import Trainer
+from verl_core.algorithms.registry import ALGORITHMS, Algorithm, get_algorithm
 from verl_core.algorithms.reward_model import RewardConfig, RewardTrainer
 from verl_core.algorithms.sft import SFTConfig, SFTTrainer
 from verl_core.callbacks import Callback, ConsoleCallback, MLflowCallback
@@ -16,12 +18,14 @@ from verl_core.engine import Engine, LossOutput, TrainConfig, TrainingError, Tra
 from verl_core.models import LoraSettings, ModelLoadError, load_causal_lm, load_reward_model, load_tokenizer
 from verl_core.tiny import tiny_model_path
 
+# DPOTrainer, DPOConfig, KTOTrainer, ..., ReinforcePPTrainer, ReinforcePPConfig
+_ALGORITHM_EXPORTS = {cls.__name__: cls for a in ALGORITHMS.values() for cls in (a.trainer, a.config_cls)}
+globals().update(_ALGORITHM_EXPORTS)
+
 __all__ = [
-    "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "KTOConfig", "KTOTrainer", "ORPOConfig", "ORPOTrainer",
-    "PPOConfig", "PPOTrainer", "RLOOConfig", "RLOOTrainer", "ReinforcePPConfig", "ReinforcePPTrainer",
-    "SimPOConfig", "SimPOTrainer", "Trainer",
-    "Callback", "ConfigError", "ConsoleCallback", "DataError", "Engine", "LoraSettings", "LossOutput",
-    "MLflowCallback", "ModelLoadError", "RewardConfig", "RewardTrainer", "SFTConfig", "SFTTrainer",
-    "TrainConfig", "TrainResult", "TrainingError", "load_causal_lm", "load_reward_model", "load_tokenizer",
-    "tiny_model_path",
+    "ALGORITHMS", "Algorithm", "Callback", "ConfigError", "ConsoleCallback", "DataError", "Engine", "LoraSettings",
+    "LossOutput", "MLflowCallback", "ModelLoadError", "RewardConfig", "RewardTrainer", "SFTConfig", "SFTTrainer",
+    "TrainConfig", "TrainResult", "Trainer", "TrainingError", "get_algorithm", "load_causal_lm", "load_reward_model",
+    "load_tokenizer", "tiny_model_path",
 ]
+__all__ += sorted(_ALGORITHM_EXPORTS)

@@ -1,4 +1,53 @@
 """Pure loss and advantage functions on tensors: no models, no state.
 
-Each family lives in its own module; registries map config strings to functions.
+Each family lives in its own module (:mod:`.preference`, :mod:`.policy`, :mod:`.advantages`,
+:mod:`.reward`, :mod:`.masked`); registries map config strings to functions::
+
+    from verl_core.losses import dpo_loss, grpo_advantages, ADVANTAGE_ESTIMATORS
 """
+from verl_core.losses.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    broadcast_to_tokens,
+    discounted_returns,
+    gae_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from verl_core.losses.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from verl_core.losses.policy import (
+    AGG_MODES,
+    KL_KINDS,
+    POLICY_LOSSES,
+    AdaptiveKLController,
+    FixedKLController,
+    PolicyLossOutput,
+    ValueLossOutput,
+    aggregate,
+    kl_penalty,
+    ppo_policy_loss,
+    ppo_value_loss,
+)
+from verl_core.losses.preference import (
+    DPO_LOSS_TYPES,
+    DPOOutput,
+    KTOOutput,
+    ORPOOutput,
+    SimPOOutput,
+    dpo_loss,
+    kto_loss,
+    orpo_loss,
+    sequence_logps,
+    sequence_mean_logps,
+    simpo_loss,
+)
+from verl_core.losses.reward import bradley_terry_loss
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS", "AGG_MODES", "DPO_LOSS_TYPES", "KL_KINDS", "POLICY_LOSSES",
+    "AdaptiveKLController", "DPOOutput", "FixedKLController", "KTOOutput", "ORPOOutput", "PolicyLossOutput",
+    "SimPOOutput", "ValueLossOutput", "aggregate", "bradley_terry_loss", "broadcast_to_tokens", "discounted_returns",
+    "dpo_loss", "gae_advantages", "grpo_advantages", "kl_penalty", "kto_loss", "masked_mean", "masked_sum",
+    "masked_var", "masked_whiten", "orpo_loss", "ppo_policy_loss", "ppo_value_loss", "reinforce_pp_advantages",
+    "rloo_advantages", "sequence_logps", "sequence_mean_logps", "simpo_loss",
+]

@@ -208,3 +208,8 @@ class FixedKLController:
 
     def update(self, current_kl: float, n_steps: int) -> float:
         return self.value
+
+
+# Policy losses by name, one calling convention:
+# ``fn(old_logp, logp, advantages, response_mask, clip_low, clip_high, dual_clip, agg) -> PolicyLossOutput``.
+POLICY_LOSSES = {"vanilla": ppo_policy_loss}

@@ -292,10 +292,3 @@ def orpo_loss(
         log_odds_ratio=log_odds_ratio.detach(),
     )
 
-
-PREFERENCE_LOSSES: dict[str, Callable[..., NamedTuple]] = {
-    "dpo": dpo_loss,
-    "kto": kto_loss,
-    "simpo": simpo_loss,
-    "orpo": orpo_loss,
-}

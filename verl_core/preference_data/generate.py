@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from verl_core.data import tokenize_prompts
+from verl_core.fingerprint import fingerprint_path
 from verl_core.policies import LLMPolicy
 from verl_core.preference_data.config import (
     COLUMNS,
@@ -34,18 +35,13 @@ def derive_seed(seed: int, *parts: int) -> int:
 
 
 def fingerprint_weights(path: str | os.PathLike) -> dict[str, Any]:
-    """sha256 over (name, bytes) of the weight files in a model folder (or of one file); a hub id hashes its name."""
+    """sha256 of the weight files in a model folder (or of one file), and their names; a hub id hashes its name."""
     p = Path(path)
     if not p.exists():
-        return {"sha256": hashlib.sha256(f"hub:{path}".encode()).hexdigest(), "files": [], "remote": True}
+        return {"sha256": fingerprint_path(path), "files": [], "remote": True}
     files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return {"sha256": h.hexdigest(), "files": [str(f.relative_to(p)) if p.is_dir() else f.name for f in files]}
+    return {"sha256": fingerprint_path(p, WEIGHT_SUFFIXES),
+            "files": [str(f.relative_to(p)) if p.is_dir() else f.name for f in files]}
 
 
 def fingerprint_module(model: torch.nn.Module) -> dict[str, Any]:

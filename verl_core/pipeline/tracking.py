@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from verl_core.pipeline_config import PipelineConfig
-from verl_core.stages import StageRecord, StageResult
+from verl_core.pipeline.config import PipelineConfig
+from verl_core.pipeline.records import StageRecord, StageResult
 
 log = logging.getLogger("verl_core")
 PARENT_TAG = "mlflow.parentRunId"

@@ -5,8 +5,9 @@
     verl-core servers [--prefect-port 4200] [--mlflow-port 5000] [--workdir runs]
     verl-core config [--config ...] [--set ...]        # print the resolved config
 
-Prefect and the flows are imported inside the commands, so importing the kernel never
-imports Prefect.
+The command names, stage choices and algorithm list come from the registries
+(:data:`verl_core.pipeline.registry.STEPS`, :data:`verl_core.algorithms.registry.ALGORITHMS`).
+Prefect is imported by the commands that run flows and by the `flows` package itself.
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
+from verl_core.algorithms.registry import ALGORITHMS
 from verl_core.config import ConfigError
-from verl_core.pipeline_config import STAGE_ORDER, PipelineConfig, load_pipeline_config
+from verl_core.pipeline.config import PipelineConfig, load_pipeline_config
+from verl_core.pipeline.registry import STAGE_ORDER
 
 DEFAULT_CONFIG = Path("configs/default.yaml")
 
@@ -48,7 +51,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def ui_locations(config: PipelineConfig) -> list[str]:
-    from verl_core import tracking
+    from verl_core.pipeline import tracking
 
     api = os.environ.get("PREFECT_API_URL")
     prefect = (f"Prefect UI:  {api.rstrip('/').removesuffix('/api')}" if api else
@@ -83,9 +86,9 @@ def cmd_run(args) -> int:
 def cmd_stage(args) -> int:
     _quiet_defaults()
     config = _config(args)
-    from flows import STAGE_FLOWS
+    from flows import stage_flow
 
-    _report(STAGE_FLOWS[args.name](config), config)
+    _report(stage_flow(args.name, config), config)
     return 0
 
 
@@ -188,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", type=Path, default=None, help=f"YAML config (default: {DEFAULT_CONFIG} if present)")
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. --set sft.max_steps=150")
 
-    p = sub.add_parser("run", help="run the whole pipeline")
+    algorithms = ", ".join(ALGORITHMS)
+    p = sub.add_parser("run", help=f"run the whole pipeline (policy_optimisation.algorithm: {algorithms} or none)")
     config_args(p)
     p.set_defaults(fn=cmd_run)
     p = sub.add_parser("stage", help="run one stage (and whatever it needs that is not given or cached)")

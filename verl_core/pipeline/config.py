@@ -1,0 +1,247 @@
+"""The typed pipeline config: one object that is ``configs/*.yaml``, the CLI's ``--set``
+overrides and the Prefect flow's parameter form at once.
+
+Each stage has its own section, named like the stage. A training section *is* its trainer's
+config class (every trainer setting can be set) plus the stage's own fields:
+
+- a *given output* field (``sft.model_path``, ``preference_data.path``,
+  ``reward_model.model_path``, ``policy_optimisation.model_path``): when set, the stage does
+  not run and that output is used instead;
+- where a stage has variants, a selector (``preference_data.method``,
+  ``policy_optimisation.algorithm``) and one sub-section per variant, named like the
+  variant (``policy_optimisation.dpo``). The algorithm choices and sub-sections are generated
+  from :data:`verl_core.algorithms.registry.ALGORITHMS`; only the selected variant's
+  sub-section enters the stage's cache key.
+
+Defaults: a setting's default is its trainer config's. :data:`RECIPE` is the one place where
+the pipeline overrides some of them for the embedded default (a tiny model on a laptop CPU);
+``configs/default.yaml`` repeats none of it with another value (tests keep both in sync).
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, create_model
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from verl_core.algorithms.registry import ALGORITHMS
+from verl_core.algorithms.reward_model import RewardConfig
+from verl_core.algorithms.sft import SFTConfig
+from verl_core.config import ConfigError, StrictConfig
+from verl_core.preference_data import PreferenceDataConfig
+from verl_core.rewards.model import RewardSourceConfig
+from verl_core.rollout import SamplingParams
+
+EXACT_MATCH = {"exact_match": 1.0}
+PreferenceMethod = Literal["bundled", "sample_and_score"]
+PolicyAlgorithm = Literal[("none", *ALGORITHMS)]  # type: ignore[valid-type]
+
+# The embedded default's recipe, measured on the bundled arithmetic task (bench/online_rl.py):
+# 900 SFT steps reach ~0.5 held-out exact match; the online recipe (128 episodes per rollout
+# step, two epochs of two mini-batches) then adds +0.1 within 40-80 steps.
+_ONLINE = dict(reward_rules=EXACT_MATCH, batch_size=128, mini_batch_size=64, ppo_epochs=2, learning_rate=1e-4,
+               max_new_tokens=24, mixed_precision="auto", save_steps=5)
+_GROUPS = dict(_ONLINE, max_steps=80, num_generations=4)
+_OFFLINE = dict(max_steps=30, learning_rate=1e-5, save_steps=10)
+RECIPE: dict[str, dict[str, Any]] = {
+    "sft": dict(max_steps=900, batch_size=32, learning_rate=2e-3, lr_scheduler="constant", warmup_steps=20,
+                logging_steps=50, save_steps=100, mixed_precision="auto"),
+    "reward_model": dict(max_steps=100, batch_size=16, learning_rate=1e-3, logging_steps=10, save_steps=20,
+                         mixed_precision="auto"),
+    "sample_and_score": dict(n_samples=4, sampling=SamplingParams(max_new_tokens=24),
+                             reward=RewardSourceConfig(reward_rules=EXACT_MATCH), tie_break="logprob",
+                             outputs=["pairs", "unpaired"], formats=["arrow"], progress=False),
+    "dpo": dict(_OFFLINE, beta=0.5),
+    "kto": dict(_OFFLINE, beta=0.5),
+    "simpo": dict(_OFFLINE, simpo_gamma=0.5),
+    "orpo": dict(_OFFLINE, learning_rate=3e-4),
+    "ppo": dict(_ONLINE, max_steps=40),
+    "grpo": _GROUPS,
+    "rloo": _GROUPS,
+    "reinforce_pp": _GROUPS,
+}
+
+
+def with_defaults(base: type[StrictConfig], name: str, defaults: dict[str, Any], doc: str | None = None) -> type:
+    """``base`` with other defaults for some of its fields (constraints and descriptions kept)."""
+    fields: dict[str, Any] = {}
+    for key, value in defaults.items():
+        if key not in base.model_fields:
+            raise KeyError(f"{base.__name__} has no field {key!r}")  # a wrong recipe is a bug, not a user error
+        info = base.model_fields[key]
+        if isinstance(value, (dict, list, StrictConfig)):  # mutable: a fresh copy per instance
+            new = FieldInfo.merge_field_infos(info, default_factory=lambda v=value: copy.deepcopy(v))
+            new.default = PydanticUndefined  # merging keeps the base's default beside the factory
+        else:
+            new = FieldInfo.merge_field_infos(info, default=value)
+            new.default_factory = None
+        fields[key] = (info.annotation, new)
+    model = create_model(name, __base__=base, __module__=__name__, **fields)
+    model.__doc__ = doc or base.__doc__
+    return model
+
+
+class DataSource(StrictConfig):
+    """Rows for a stage: a local file (JSONL/JSON/Parquet/CSV), a ``save_to_disk`` folder
+    or a hub id; ``path: null`` means the bundled arithmetic task's split for that stage.
+    A local file's content fingerprint is part of the stage's cache key."""
+
+    path: str | None = None
+    split: str = "train"
+    limit: int | None = Field(None, ge=1, description="use only the first N rows")
+
+
+class _SFTStage(SFTConfig):
+    """Supervised fine-tuning of the base model; skipped when ``model_path`` is given."""
+
+    model_path: str | None = Field(None, description="an SFT policy folder to use instead of training one")
+    data: DataSource = Field(default_factory=DataSource)
+
+
+SFTStageConfig = with_defaults(_SFTStage, "SFTStageConfig", RECIPE["sft"])
+SampleAndScoreConfig = with_defaults(PreferenceDataConfig, "SampleAndScoreConfig", RECIPE["sample_and_score"],
+                                     "Sampling and pairing for ``preference_data.method: sample_and_score``.")
+
+
+class PreferenceDataStageConfig(StrictConfig):
+    """Preference pairs (prompt, chosen, rejected); skipped when ``path`` is given.
+
+    ``bundled``: the arithmetic task's pairs (correct answer chosen, a near miss
+    rejected). ``sample_and_score``: sample ``n_samples`` completions per prompt from the
+    SFT policy, score them (``sample_and_score.reward``: rules and/or a reward-model folder),
+    pair best against worst (see :mod:`verl_core.preference_data`).
+    """
+
+    path: str | None = Field(None, description="pairs to use instead of generating them (file or folder)")
+    method: PreferenceMethod = "bundled"
+    num_prompts: int = Field(512, ge=1)
+    seed: int = 0
+    prompts: DataSource = Field(default_factory=DataSource, description="sample_and_score: prompts (null path = bundled)")
+    sample_and_score: SampleAndScoreConfig = Field(default_factory=lambda: SampleAndScoreConfig())
+
+
+class _RewardModelStage(RewardConfig):
+    """Bradley–Terry reward model on the preference pairs, initialised from the SFT policy."""
+
+    enabled: bool = True
+    model_path: str | None = Field(None, description="a reward-model folder to use instead of training one")
+    init_from: Literal["sft", "base"] = "sft"
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="last fraction of the pairs held out for accuracy")
+
+
+RewardModelStageConfig = with_defaults(_RewardModelStage, "RewardModelStageConfig", RECIPE["reward_model"])
+
+# One sub-section class per registered algorithm: its trainer config with the recipe's defaults.
+ALGORITHM_SECTIONS: dict[str, type] = {
+    name: with_defaults(a.config_cls, f"{a.config_cls.__name__.removesuffix('Config')}StageConfig", RECIPE.get(name, {}))
+    for name, a in ALGORITHMS.items()
+}
+
+
+def _policy_section() -> type:
+    doc = """Policy optimisation of the SFT policy; ``algorithm: none`` keeps the SFT policy.
+
+    Each algorithm has a sub-section named like it holding its trainer config
+    (``policy_optimisation.dpo.beta``); only the chosen one enters the cache key.
+    Offline algorithms train on the preference-data stage's pairs; online ones sample from
+    ``prompts`` and score with their ``reward_rules`` (default exact match against the ground
+    truth) plus, when ``use_reward_model``, the pipeline's reward model.
+    """
+    fields: dict[str, Any] = {
+        "algorithm": (PolicyAlgorithm, Field("ppo", description=" | ".join(("none", *ALGORITHMS)))),
+        "model_path": (str | None, Field(None, description="a policy folder to evaluate instead of training one")),
+        "prompts": (DataSource, Field(default_factory=DataSource, description="prompts for online algorithms")),
+        "use_reward_model": (bool, Field(False, description="online algorithms: add the reward-model stage's score")),
+    }
+    fields.update({name: (cls, Field(default_factory=cls, description=ALGORITHMS[name].summary))
+                   for name, cls in ALGORITHM_SECTIONS.items()})
+    model = create_model("PolicyOptimisationStageConfig", __base__=StrictConfig, __module__=__name__, **fields)
+    model.__doc__ = doc
+    return model
+
+
+PolicyOptimisationStageConfig = _policy_section()
+
+
+class EvaluationStageConfig(StrictConfig):
+    """Held-out exact-match accuracy (and reward-model score) of base, SFT and final policies."""
+
+    data: DataSource = Field(default_factory=DataSource, description="rows with 'prompt' and 'ground_truth'")
+    num_rows: int = Field(200, ge=1)
+    reward: str = "exact_match"
+    max_new_tokens: int = Field(32, ge=1)
+    include_base: bool = True
+
+
+class TrackingConfig(StrictConfig):
+    """MLflow: the URI is this value, else ``$MLFLOW_TRACKING_URI``, else ``<workdir>/mlflow.db``."""
+
+    uri: str | None = None
+    experiment: str = "verl-core"
+    ui_url: str | None = Field(None, description="MLflow UI base URL for links; default: the URI when http, else http://127.0.0.1:5000")
+    log_model: bool = True
+    registered_model_name: str | None = "verl-core-policy"
+
+
+class OrchestrationConfig(StrictConfig):
+    """Prefect: where results (cache records) live, retries, cache refresh."""
+
+    result_storage: str | None = Field(None, description="folder for Prefect results; default <workdir>/prefect-results")
+    retries: int = Field(1, ge=0)
+    retry_delay_seconds: float = Field(2.0, ge=0)
+    refresh_cache: bool = False
+    keep_checkpoints: bool = False
+
+
+class PipelineConfig(StrictConfig):
+    """Everything one run of the RLHF pipeline needs."""
+
+    name: str = "rlhf"
+    base_model: str | None = Field(None, description="folder or hub id; null = the embedded tiny model")
+    workdir: str = Field("runs", description="stage outputs, Prefect results and the default MLflow store")
+    sft: SFTStageConfig = Field(default_factory=SFTStageConfig)
+    preference_data: PreferenceDataStageConfig = Field(default_factory=PreferenceDataStageConfig)
+    reward_model: RewardModelStageConfig = Field(default_factory=RewardModelStageConfig)
+    policy_optimisation: PolicyOptimisationStageConfig = Field(default_factory=PolicyOptimisationStageConfig)
+    evaluation: EvaluationStageConfig = Field(default_factory=EvaluationStageConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+
+    @property
+    def workdir_path(self) -> Path:
+        return Path(self.workdir).expanduser().resolve()
+
+    @property
+    def result_storage_path(self) -> Path:
+        o = self.orchestration.result_storage
+        return Path(o).expanduser().resolve() if o else self.workdir_path / "prefect-results"
+
+
+def load_pipeline_config(path: str | Path | None = None, overrides: dict[str, Any] | list[str] | None = None) -> PipelineConfig:
+    """``configs/default.yaml`` (or defaults when ``path`` is None) plus ``a.b=c`` overrides."""
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    if path is None:
+        data: dict[str, Any] = {}
+        from verl_core.config import set_dotted
+
+        for dotted, value in (overrides or {}).items():
+            set_dotted(data, dotted, value)
+        return PipelineConfig.from_dict(data, source="overrides")
+    return PipelineConfig.from_yaml(path, overrides)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["sft.max_steps=10", "sft.model_path=null"]`` → typed values (YAML scalars)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        key, raw = item.split("=", 1)
+        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+    return out

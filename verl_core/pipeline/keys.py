@@ -1,0 +1,74 @@
+"""Cache keys and content fingerprints.
+
+A stage's key is its name, its code version, its resolved config section (other variants'
+sub-sections dropped) and the content fingerprints of its inputs and data; never run ids,
+output paths or the source text of the code. Same key, same folder: a retried or re-run
+training stage finds its checkpoints there and resumes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from verl_core.fingerprint import fingerprint_path
+from verl_core.pipeline.config import DataSource, PipelineConfig
+from verl_core.pipeline.records import StageRecord
+from verl_core.pipeline.registry import STEPS, stage_for, variant_of
+
+# Fields that change how a run looks, not what it computes: kept out of cache keys.
+VOLATILE_FIELDS = {"progress", "output_dir", "resume", "model_path", "path", "enabled"}
+
+
+def rows_fingerprint(rows: list[dict] | None) -> str | None:
+    return None if rows is None else hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def section_for_key(config: PipelineConfig, name: str) -> dict[str, Any]:
+    """The resolved config that determines a step's output (other variants' sections dropped)."""
+    section = getattr(config, name)
+    selector = STEPS[name].selector
+    drop: set[str] = set()
+    if selector:
+        variants = {s.name.split(":", 1)[1] for s in STEPS[name].stages}
+        drop = (variants - {getattr(section, selector)}) & set(type(section).model_fields)
+    dumped = section.model_dump(mode="json", exclude=drop | VOLATILE_FIELDS)
+    if name == "evaluation":  # registration is part of evaluate-and-register
+        dumped["_tracking"] = config.tracking.model_dump(mode="json", include={"log_model", "registered_model_name"})
+    return dumped
+
+
+def _data_fingerprints(section: Any) -> dict[str, str]:
+    """Content fingerprints of local files named by DataSource fields (hub ids hash their name)."""
+    out = {}
+    for fname in type(section).model_fields:
+        value = getattr(section, fname)
+        if isinstance(value, DataSource) and value.path is not None:
+            out[fname] = fingerprint_path(value.path)
+        elif isinstance(value, BaseModel) and not isinstance(value, DataSource):
+            out.update({f"{fname}.{k}": v for k, v in _data_fingerprints(value).items()})
+    return out
+
+
+def stage_key(config: PipelineConfig, name: str, inputs: dict[str, StageRecord | None]) -> str:
+    """Cache key of step ``name``: stage + code version + resolved config + input and data fingerprints."""
+    stage = stage_for(config, name)
+    used = stage.input_names(config) + stage.optional
+    payload = {
+        "stage": stage.name,
+        "version": stage.version,
+        "config": section_for_key(config, name),
+        "data": _data_fingerprints(getattr(config, name)),
+        "inputs": {k: (inputs[k].fingerprint if inputs.get(k) is not None else None) for k in sorted(used)},
+        "bundled": rows_fingerprint(stage.bundled(config)) if stage.bundled else None,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def stage_dir(config: PipelineConfig, name: str, key: str) -> Path:
+    variant = variant_of(config, name)
+    label = f"{name}-{variant}" if variant else name
+    return config.workdir_path / "stages" / f"{label}-{key[:16]}"

@@ -1,0 +1,123 @@
+"""What stages hand each other and what they are made of: records, outputs, the context a
+stage function runs in, and the description of a stage (:class:`Stage`).
+
+A stage returns a small, serialisable :class:`StageRecord`, never a live model: the folder it
+wrote, a content fingerprint, its headline metrics and its MLflow run id. That is what makes
+Prefect caching cheap and any stage runnable alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from pydantic import BaseModel, Field
+
+from verl_core.callbacks import Callback
+from verl_core.config import ConfigError
+
+RECORD_FILE = "record.json"
+HISTORY_FILE = "history.json"
+
+
+class StageRecord(BaseModel):
+    """What a stage hands downstream: where its output is and what it contains."""
+
+    stage: str
+    output_path: str
+    fingerprint: str
+    metrics: dict[str, float] = Field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    variant: str | None = None
+    cache_key: str | None = None
+    given: bool = Field(False, description="output supplied by the config, not computed")
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+@dataclass
+class DatasetUse:
+    """A dataset a stage read or wrote, for tracking (MLflow dataset inputs)."""
+
+    name: str
+    rows: list[dict]
+    context: str  # "training" | "evaluation" | "output"
+    source: str
+
+
+@dataclass
+class StageOutput:
+    """What a stage function returns; ``run_stage`` turns it into a :class:`StageRecord`."""
+
+    output_path: Path
+    metrics: dict[str, float] = field(default_factory=dict)
+    history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    datasets: list[DatasetUse] = field(default_factory=list)
+    artifacts: list[Path] = field(default_factory=list)
+    tables: dict[str, list[dict]] = field(default_factory=dict)
+    model_to_log: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StageResult:
+    record: StageRecord
+    output: StageOutput
+    reused: bool = False  # a complete output with the same key was already on disk
+
+
+@dataclass
+class StageContext:
+    """What a stage function gets: the config, its inputs' records, its folder, the callbacks."""
+
+    config: Any  # PipelineConfig
+    name: str
+    variant: str | None
+    inputs: dict[str, StageRecord]
+    output_dir: Path
+    callbacks: list[Callback]
+
+    @property
+    def section(self) -> Any:
+        return getattr(self.config, self.name)
+
+    def input_path(self, name: str) -> str:
+        if self.inputs.get(name) is None:
+            raise ConfigError(f"stage {self.name!r} needs the output of {name!r}, which is missing")
+        return self.inputs[name].output_path
+
+
+Inputs = tuple[str, ...] | Callable[[Any], tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One way of computing a pipeline step: ``"sft"``, or a variant like ``"policy_optimisation:dpo"``.
+
+    ``inputs``: upstream steps whose records it needs (a tuple, or a function of the config);
+    ``optional``: upstream steps it uses when present; ``bundled``: config -> the built-in rows
+    it reads, if any (their content enters the cache key, so a change of the bundled task reruns
+    it). Bump ``version`` when the stage computes something different.
+    """
+
+    name: str
+    version: str
+    fn: Callable[[StageContext], StageOutput]
+    inputs: Inputs = ()
+    optional: tuple[str, ...] = ()
+    bundled: Callable[[Any], list[dict] | None] | None = None
+
+    def input_names(self, config: Any) -> tuple[str, ...]:
+        return self.inputs(config) if callable(self.inputs) else self.inputs
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step of the pipeline (one Prefect task, one stage flow): its section of the config,
+    the field that names a given output instead (``sft.model_path``), the selector of its
+    variants (``policy_optimisation.algorithm``) and whether the pipeline has it at all."""
+
+    name: str
+    given_field: str | None = None
+    selector: str | None = None
+    enabled: Callable[[Any], bool] = field(default=lambda config: True)
+    stages: Sequence[Stage] = ()

@@ -1,0 +1,54 @@
+"""``run_stage``: the one entry point that computes a step into its deterministic folder.
+
+Prefect tasks (``tasks/``), the distributed worker and tests call it the same way; no Prefect here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from verl_core.callbacks import Callback
+from verl_core.config import ConfigError
+from verl_core.fingerprint import fingerprint_path
+from verl_core.pipeline.config import PipelineConfig
+from verl_core.pipeline.keys import stage_dir, stage_key
+from verl_core.pipeline.records import HISTORY_FILE, RECORD_FILE, StageContext, StageOutput, StageRecord, StageResult
+from verl_core.pipeline.registry import stage_for, variant_of
+
+
+def run_stage(config: PipelineConfig, name: str, inputs: dict[str, StageRecord | None],
+              callbacks: Sequence[Callback] = (), run_id: str | None = None) -> StageResult:
+    """Run step ``name`` into its deterministic folder and return its record.
+
+    A folder that already holds a complete record with the same key is reused as is; the record
+    is written last (atomically), so a folder without one is an unfinished run to resume.
+    """
+    stage = stage_for(config, name)
+    for needed in stage.input_names(config):
+        if inputs.get(needed) is None:
+            raise ConfigError(f"stage {name!r} needs the output of {needed!r}")
+    key = stage_key(config, name, inputs)
+    out_dir = stage_dir(config, name, key)
+    done = out_dir / RECORD_FILE
+    if done.is_file():
+        record = StageRecord.model_validate_json(done.read_text())
+        if record.cache_key == key and Path(record.output_path).exists():
+            hist = out_dir / HISTORY_FILE
+            history = json.loads(hist.read_text()) if hist.is_file() else {}
+            return StageResult(record, StageOutput(Path(record.output_path), record.metrics, history), reused=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = StageContext(config, name, variant_of(config, name), {k: v for k, v in inputs.items() if v is not None},
+                       out_dir, list(callbacks))
+    output = stage.fn(ctx)
+    metrics = {k: float(v) for k, v in output.metrics.items() if isinstance(v, (int, float))}
+    record = StageRecord(stage=name, variant=ctx.variant, output_path=str(output.output_path),
+                         fingerprint=fingerprint_path(output.output_path), metrics=metrics,
+                         mlflow_run_id=run_id, cache_key=key, extra=output.extra)
+    if output.history:
+        (out_dir / HISTORY_FILE).write_text(json.dumps(output.history))
+        record.extra["history"] = str(out_dir / HISTORY_FILE)
+    tmp = out_dir / f".tmp-{RECORD_FILE}"
+    tmp.write_text(record.model_dump_json(indent=2))
+    tmp.replace(done)
+    return StageResult(record, output)

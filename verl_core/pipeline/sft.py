@@ -1,0 +1,24 @@
+"""The SFT stage: the base model trained on prompt/completion rows (bundled arithmetic by default)."""
+from __future__ import annotations
+
+from verl_core import arithmetic
+from verl_core.pipeline.data import data_label, load_data
+from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOutput, Step
+from verl_core.pipeline.training import train_offline
+
+
+def _bundled(cfg) -> list[dict] | None:
+    return arithmetic.sft_rows(cfg.sft.data.limit or 2000) if cfg.sft.data.path is None else None
+
+
+def sft_stage(ctx: StageContext) -> StageOutput:
+    from verl_core.algorithms.sft import SFTTrainer
+
+    c = ctx.section
+    rows = _bundled(ctx.config) or load_data(c.data, None)
+    return train_offline(ctx, SFTTrainer, c, ctx.input_path("base"), rows,
+                         datasets=[DatasetUse("sft-train", rows, "training", data_label(c.data, "sft"))])
+
+
+STEP = Step("sft", given_field="model_path",
+            stages=[Stage("sft", version="sft-1", fn=sft_stage, inputs=("base",), bundled=_bundled)])

@@ -58,9 +58,9 @@ class BenchSpec:
     # our speed features (each switchable)
     packing: bool = True
     share_prompt: bool = True
-    prune_last_layer: bool = True  # with packing: the last layer only where the loss reads (verl_core.packing.last_layer_only_at)
+    prune_last_layer: bool = True  # with packing: the last layer only where the loss reads (verl_core.forward.last_layer_only_at)
     row_capacity: str = "auto"  # tokens per packed row: a number, "longest" (unit), "none" (one row), "auto"
-    fp32_cpu_attention: bool = True  # SDPA in fp32 under CPU autocast (verl_core.packing.use_fp32_cpu_attention)
+    fp32_cpu_attention: bool = True  # SDPA in fp32 under CPU autocast (bench/fp32_attention.py)
     precompute_ref: bool = True
     # TRL options (defaults are TRL's own, except what must match: sizes, dtype, no gradient checkpointing)
     trl_precompute_ref: bool = False
@@ -119,13 +119,9 @@ def rows_for(algo: str, spec: BenchSpec) -> list[dict]:
     if algo in ("rm", "dpo"):
         return arithmetic.preference_rows(arithmetic.train_problems(n), seed=spec.seed)
     if algo == "kto":  # unpaired, alternating desirable (correct) / undesirable (wrong answer)
-        rng = random.Random(spec.seed)
-        out = []
-        for i, p in enumerate(arithmetic.train_problems(n)):
-            good = i % 2 == 0
-            out.append({"prompt": p.prompt, "completion": p.completion if good else arithmetic.wrong_completion(p, rng),
-                        "label": good})
-        return out
+        rng = random.Random(spec.seed)  # drawn in row order, for the undesirable rows only
+        return [{"prompt": p.prompt, "completion": p.completion if i % 2 == 0 else arithmetic.wrong_completion(p, rng),
+                 "label": i % 2 == 0} for i, p in enumerate(arithmetic.train_problems(n))]
     if algo == "grpo":
         return arithmetic.prompt_rows(n)
     raise ValueError(f"unknown algorithm {algo!r}; one of {ALGOS}")
@@ -144,30 +140,19 @@ def work_per_step(algo: str, spec: BenchSpec, tokenizer) -> dict[str, float]:
     """
     rows = rows_for(algo, spec)
     enc = lambda s, special=False: tokenizer(s, add_special_tokens=special)["input_ids"]  # noqa: E731
-    cfg = spec
-    b = spec.batch_size
+    b = unit = spec.batch_size
     eos = 1  # every completion ends with EOS on both sides
+    fwd_only: list[list[int]] = []
     if algo == "sft":
-        seqs = [[len(enc(r["prompt"], True)) + len(enc(r["completion"])) + eos] for r in rows]
-        train, fwd_only = seqs, []
-        unit = sum(s[0] for s in seqs) / len(seqs) * b
+        train = [[len(enc(r["prompt"], True)) + len(enc(r["completion"])) + eos] for r in rows]
+        unit = sum(s[0] for s in train) / len(train) * b
     elif algo in ("rm", "dpo"):
-        seqs = []
-        for r in rows:
-            p = len(enc(r["prompt"], True))
-            seqs.append([p + len(enc(r["chosen"])) + eos, p + len(enc(r["rejected"])) + eos])
-        train, fwd_only = seqs, []
-        unit = b
-    elif algo == "kto":
-        lengths = [len(enc(r["prompt"], True)) + len(enc(r["completion"])) + eos for r in rows]
-        train = [[x] for x in lengths]
-        fwd_only = [[x] for x in lengths]  # the KL (mismatched) row: a forward, z0 is detached
-        unit = b
+        prompts = [len(enc(r["prompt"], True)) for r in rows]
+        train = [[p + len(enc(r["chosen"])) + eos, p + len(enc(r["rejected"])) + eos] for p, r in zip(prompts, rows)]
+    elif algo == "kto":  # plus the KL (mismatched) row: a forward, z0 is detached
+        train = fwd_only = [[len(enc(r["prompt"], True)) + len(enc(r["completion"])) + eos] for r in rows]
     else:  # grpo: prefill + decode of max_completion_length, then one training pass
-        total = [len(enc(r["prompt"], True)) + cfg.max_completion_length for r in rows]
-        train = [[x] for x in total]
-        fwd_only = [[x] for x in total]
-        unit = b
+        train = fwd_only = [[len(enc(r["prompt"], True)) + spec.max_completion_length] for r in rows]
     head, vocab = algo != "rm", len(tokenizer)
     flops_row = (sum(train_flops(spec, s, vocab, head) for s in train)
                  + sum(forward_flops(spec, s, vocab, head) for s in fwd_only)) / len(rows)
@@ -250,9 +235,7 @@ def max_rss_mb() -> float:
 def cuda_peak_mb() -> float | None:
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.max_memory_allocated() / 2**20
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
 
 def prepare_torch(spec: BenchSpec) -> None:
@@ -274,18 +257,16 @@ def measure_matmul_peak(device: str, dtype: str, quick: bool = False, cpu_clock:
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
     n = 8192 if device == "cuda" else (1024 if quick else 2048)
     reps = 20 if device == "cuda" else (2 if quick else 5)
-    a = torch.randn(n, n, device=device).to(dt)
-    b = torch.randn(n, n, device=device).to(dt)
+    a, b = (torch.randn(n, n, device=device).to(dt) for _ in range(2))
     (a @ b)
     now = time.process_time if cpu_clock and device == "cpu" else time.perf_counter
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     best = math.inf
     for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync()
         t = now()
         (a @ b)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync()
         best = min(best, now() - t)
     return {"flops_per_s": 2 * n ** 3 / best, "n": n, "dtype": dtype, "threads": torch.get_num_threads()}
 
@@ -298,11 +279,8 @@ class Target:
     bound: float  # ratio vs TRL (throughput ≥, memory ≤) or MFU fraction of peak (≥)
 
     def describe(self) -> str:
-        if self.metric == "throughput":
-            return f"≥ {self.bound:g}× TRL"
-        if self.metric == "memory":
-            return f"≤ {self.bound:g}× TRL peak mem"
-        return f"MFU ≥ {self.bound:.0%} of peak"
+        return {"throughput": f"≥ {self.bound:g}× TRL", "memory": f"≤ {self.bound:g}× TRL peak mem"}.get(
+            self.metric, f"MFU ≥ {self.bound:.0%} of peak")
 
 
 TARGETS = [
@@ -318,24 +296,20 @@ def judge(target: Target, value: float | None) -> tuple[str, str]:
     """(``PASS``/``MISS``/``n/a``, how much) for one target and its measured value."""
     if value is None or not math.isfinite(value):
         return "n/a", ""
+    ratio = target.metric in ("memory", "throughput")
+    if (value <= target.bound) if target.metric == "memory" else (value >= target.bound):
+        return "PASS", f"{value:.2f}×" if ratio else f"{value:.1%}"
     if target.metric == "memory":
-        ok = value <= target.bound
-        gap = f"{value:.2f}× > {target.bound:g}×: needs {1 - target.bound / value:.0%} less memory" if not ok else f"{value:.2f}×"
-    elif target.metric == "throughput":
-        ok = value >= target.bound
-        gap = f"{value:.2f}× < {target.bound:g}×: needs {target.bound / value - 1:.0%} more speed" if not ok else f"{value:.2f}×"
-    else:
-        ok = value >= target.bound
-        gap = f"{value:.1%} < {target.bound:.0%}: short by {target.bound - value:.1%} of peak" if not ok else f"{value:.1%}"
-    return ("PASS" if ok else "MISS"), gap
+        return "MISS", f"{value:.2f}× > {target.bound:g}×: needs {1 - target.bound / value:.0%} less memory"
+    if ratio:
+        return "MISS", f"{value:.2f}× < {target.bound:g}×: needs {target.bound / value - 1:.0%} more speed"
+    return "MISS", f"{value:.1%} < {target.bound:.0%}: short by {target.bound - value:.1%} of peak"
 
 
 def _fmt(x: float | None, digits: int = 1) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "—"
-    if abs(x) >= 1000:
-        return f"{x:,.0f}"
-    return f"{x:.{digits}f}"
+    return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.{digits}f}"
 
 
 def summarise(algo: str, rec: dict | None, work: dict[str, float], spec: BenchSpec, peak: float) -> dict[str, Any]:

@@ -45,11 +45,13 @@ def _fp32_attention(spec: BenchSpec, model) -> str | None:
     """SDPA in fp32 under CPU autocast (a no-op where the engine already does it, or on GPU)."""
     if not (spec.fp32_cpu_attention and spec.dtype == "bf16" and spec.resolved_device() == "cpu"):
         return None
-    from verl_core import packing
+    from fp32_attention import FP32_CPU_SDPA, use_fp32_cpu_attention
 
-    if packing.attn_implementation(model) == packing.FP32_CPU_SDPA:
+    from verl_core.forward import attn_implementation
+
+    if attn_implementation(model) == FP32_CPU_SDPA:
         return "fp32 SDPA on CPU"
-    return "fp32 SDPA on CPU (packing.use_fp32_cpu_attention)" if packing.use_fp32_cpu_attention(model) else None
+    return "fp32 SDPA on CPU (fp32_attention.use_fp32_cpu_attention)" if use_fp32_cpu_attention(model) else None
 
 
 def run(algo: str, spec: BenchSpec, clock: StepClock) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 
 from verl_core.data import collate_pairs, pad_to, tokenize_pairs, tokenize_prompts
-from verl_core.logprobs import model_token_logprobs
+from verl_core.packing import model_token_logprobs
 
 
 @torch.no_grad()
@@ -27,13 +27,19 @@ def greedy_completions(model, tokenizer, prompt_ids: list[list[int]], max_new_to
     return texts
 
 
-def answer_accuracy(model, tokenizer, rows: Any, reward: str = "exact_match", max_new_tokens: int = 32) -> float:
-    """Mean rule reward of greedy answers to prompt rows carrying ``ground_truth``."""
+def answer_rewards(model, tokenizer, rows: Any, reward: str = "exact_match",
+                   max_new_tokens: int = 32) -> tuple[list[str], list[float]]:
+    """Greedy answers to prompt rows carrying ``ground_truth``, and each answer's rule reward."""
     from verl_core.rewards.rules import get_rule_reward
 
     examples = tokenize_prompts(rows, tokenizer)
     texts = greedy_completions(model, tokenizer, [e["prompt_ids"] for e in examples], max_new_tokens)
-    scores = get_rule_reward(reward)(texts, [e["ground_truth"] for e in examples])
+    return texts, list(get_rule_reward(reward)(texts, [e["ground_truth"] for e in examples]))
+
+
+def answer_accuracy(model, tokenizer, rows: Any, reward: str = "exact_match", max_new_tokens: int = 32) -> float:
+    """Mean rule reward of greedy answers to prompt rows carrying ``ground_truth``."""
+    _, scores = answer_rewards(model, tokenizer, rows, reward, max_new_tokens)
     return sum(scores) / len(scores)
 
 

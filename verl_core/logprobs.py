@@ -3,6 +3,9 @@
 A full ``log_softmax`` over the vocabulary in fp32 costs ``B·T·V·4`` bytes; here only
 one chunk of rows is ever upcast, and only the log-normaliser is kept:
 ``log p(x_t) = z[x_t] - logsumexp(z)``.
+
+Pure tensor math, no model: running a model on a batch is
+:func:`verl_core.packing.model_token_logprobs`.
 """
 from __future__ import annotations
 
@@ -41,22 +44,3 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
     """
     lp = selected_logprobs(logits[:, :-1], input_ids[:, 1:])
     return torch.nn.functional.pad(lp, (1, 0))
-
-
-def model_token_logprobs(model, batch: dict[str, torch.Tensor], with_entropy: bool = False):
-    """Forward ``model`` on a collated batch; per-token log-probs aligned with ``input_ids``.
-
-    A packed batch (:mod:`verl_core.packing`) is dispatched to
-    :func:`~verl_core.packing.packed_token_logprobs`, which returns the same logical layout."""
-    if "packed_index" in batch:
-        from verl_core.packing import packed_token_logprobs  # packing imports this module
-
-        return packed_token_logprobs(model, batch, with_entropy)
-    kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    if "position_ids" in batch:
-        kwargs["position_ids"] = batch["position_ids"]
-    logits = model(**kwargs, use_cache=False).logits
-    lp = token_logprobs(logits, batch["input_ids"])
-    if not with_entropy:
-        return lp
-    return lp, torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0))

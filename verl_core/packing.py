@@ -30,31 +30,33 @@ as :func:`verl_core.data.collate_sequences`::
 :func:`packed_token_logprobs` returns per-token log-probs in that logical layout (so
 ``sequence_logps(lp, batch["loss_mask"])`` works unchanged) and computes the LM head
 only where ``loss_mask`` needs a prediction. The attention mask is built at forward
-time from ``segment_ids``/``branch_ids``: a ``[R, 1, C, C]`` bool mask for ``sdpa``, an
-additive float mask for ``eager``; ``flash_attention_*`` gets none and finds the
+time from ``segment_ids``/``branch_ids``: a ``[R, 1, C, C]`` bool mask for ``sdpa`` (and for
+any implementation registered under a name starting with ``sdpa``, which must take sdpa's
+mask), an additive float mask for ``eager``; ``flash_attention_*`` gets none and finds the
 sequence boundaries from the restarting ``position_ids`` (prefix sharing is then not
 expressible: use ``share_prompt=False``, see :func:`supports_shared_prompt`).
+
+:func:`model_token_logprobs` is the entry point of the trainers: it runs a padded or a packed
+batch. Modules depend one way: this one on :mod:`verl_core.logprobs` (tensor math) and
+:mod:`verl_core.forward` (attention implementation, last-layer pruning).
 
 A packed batch has no ``attention_mask`` key on purpose: code that does not know the
 layout fails loudly instead of reading packed rows as padded ones.
 """
 from __future__ import annotations
 
-import contextlib
-import sys
-from typing import Iterator, Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 
-from verl_core.logprobs import entropy_from_logits, selected_logprobs
+from verl_core.forward import attn_implementation, last_layer_only_at
+from verl_core.logprobs import entropy_from_logits, selected_logprobs, token_logprobs
 
 PACKED_KEY = "packed_index"
-PRUNE_KEY = "prune_last_layer"  # 0-dim bool in a packed batch: see last_layer_only_at
-FP32_CPU_SDPA = "sdpa_fp32_cpu"
-_MASK_IMPLS = ("sdpa", "eager", FP32_CPU_SDPA)
+PRUNE_KEY = "prune_last_layer"  # 0-dim bool in a packed batch: see verl_core.forward.last_layer_only_at
 
 
-def is_packed(batch) -> bool:
+def is_packed(batch: object) -> bool:
     return isinstance(batch, dict) and PACKED_KEY in batch
 
 
@@ -75,7 +77,7 @@ def collate_packed(prompts: Sequence[Sequence[int]], completions: Sequence[Seque
     ``"longest"`` uses the longest unit of the batch, so no row attends over more tokens than
     the padded layout would (the best choice when attention cost grows with the row, e.g. SDPA
     with a dense mask on CPU), while short units still share rows. ``prune_last_layer`` is
-    recorded in the batch for the forward functions (:func:`last_layer_only_at`).
+    recorded in the batch for the forward functions (:func:`verl_core.forward.last_layer_only_at`).
     """
     n_units, n_branches = len(prompts), len(completions)
     if any(len(c) != n_units for c in completions):
@@ -92,6 +94,7 @@ def collate_packed(prompts: Sequence[Sequence[int]], completions: Sequence[Seque
     return batch
 
 
+LogProbs = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]  # log-probs, or (log-probs, entropies)
 Unit = tuple  # (prompt ids, [completion ids per branch], [logical sequence index per branch])
 
 
@@ -177,22 +180,31 @@ def collate_packed_kto(examples: list[dict], pad_id: int, share_prompt: bool = T
 
 
 # -- forward ----------------------------------------------------------------------------------
-def _base_module(model):
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):  # DDP / wrappers
-        model = model.module
-    if hasattr(model, "get_base_model"):  # peft
-        model = model.get_base_model()
-    return model
+def _mask_kind(impl: str) -> str | None:
+    """``"bool"``, ``"additive"`` or ``None`` (no mask: flash-attention) for an attention implementation."""
+    if impl.startswith("flash"):
+        return None
+    if impl == "eager":
+        return "additive"
+    if impl.startswith("sdpa"):  # sdpa and custom kernels registered as sdpa_<variant> (the bench's fp32 one)
+        return "bool"
+    raise ValueError(f"packing supports sdpa (or sdpa_*), eager and flash_attention_* models, not {impl!r}")
 
 
-def attn_implementation(model) -> str:
-    config = getattr(_base_module(model), "config", None)
-    return getattr(config, "_attn_implementation", None) or "sdpa"
-
-
-def supports_shared_prompt(model) -> bool:
+def supports_shared_prompt(model: torch.nn.Module) -> bool:
     """Prefix sharing needs an explicit mask: ``sdpa`` or ``eager`` attention (not flash-attention)."""
-    return attn_implementation(model) in _MASK_IMPLS
+    impl = attn_implementation(model)
+    return impl == "eager" or impl.startswith("sdpa")
+
+
+def require_shared_prompt(model: torch.nn.Module, fix: str) -> None:
+    """Raise :class:`~verl_core.config.ConfigError` when ``model`` cannot share a prompt across
+    completions (see :func:`supports_shared_prompt`); ``fix`` tells the user what to change."""
+    if not supports_shared_prompt(model):
+        from verl_core.config import ConfigError
+
+        raise ConfigError(f"sharing a prompt across completions needs sdpa or eager attention, the model uses "
+                          f"{attn_implementation(model)}; {fix}")
 
 
 def packed_attention_mask(batch: dict[str, torch.Tensor], additive_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -209,109 +221,38 @@ def packed_attention_mask(batch: dict[str, torch.Tensor], additive_dtype: torch.
     return torch.zeros(mask.shape, dtype=additive_dtype, device=mask.device).masked_fill(~mask, torch.finfo(additive_dtype).min)
 
 
-# Decoder layers whose structure last_layer_only_at knows: pre-norm attention (q/k/v/o
-# projections, rotary embeddings, no q/k norms) then a pre-norm MLP, each with a residual.
-PRUNABLE_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
-
-
-def _last_decoder_layer(model) -> torch.nn.Module | None:
-    inner = getattr(_base_module(model), "model", None)
-    layers = getattr(inner, "layers", None)
-    if not layers:
-        return None
-    layer = layers[getattr(inner.config, "num_hidden_layers", len(layers)) - 1]
-    return layer if type(layer).__name__ in PRUNABLE_LAYERS else None
-
-
-def can_prune_last_layer(model) -> bool:
-    """Whether :func:`last_layer_only_at` can prune this model (a known decoder layer, and an
-    attention that takes an explicit mask)."""
-    return _last_decoder_layer(model) is not None and attn_implementation(model) in _MASK_IMPLS
-
-
-@contextlib.contextmanager
-def last_layer_only_at(model, keep: torch.Tensor | None) -> Iterator[bool]:
-    """Inside the block, the model's LAST decoder layer computes its attention output and MLP only
-    at the positions where ``keep`` (``[R, C]`` bool) is True; elsewhere it outputs zeros.
-
-    Only the last layer can be cut: every position's hidden state in the layers below feeds the
-    keys and values that kept positions attend to. Its queries, attention output, ``o_proj`` and
-    MLP are needed only where a logit or score is read: in SFT / DPO / KTO batches the prompt
-    tokens (all but the last) are not, in a reward-model batch only each sequence's last token
-    is. Keys and values are still computed at every position. The result at kept positions is
-    the full layer's (tests/test_packing.py); yields whether the model was pruned (a model
-    :func:`can_prune_last_layer` rejects runs in full).
-    """
-    layer = _last_decoder_layer(model) if keep is not None and attn_implementation(model) in _MASK_IMPLS else None
-    if layer is None:
-        yield False
-        return
-    layer.forward = lambda hidden_states, *args, **kwargs: _pruned_layer_forward(layer, keep, hidden_states, *args, **kwargs)
-    try:
-        yield True
-    finally:
-        del layer.forward
-
-
-def _pruned_layer_forward(layer, keep: torch.Tensor, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                          position_ids=None, position_embeddings=None, **kwargs) -> torch.Tensor:
-    if attention_mask is None or attention_mask.dim() != 4 or position_embeddings is None:
-        return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                   position_embeddings=position_embeddings, **kwargs)
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    attn = layer.self_attn
-    impl = sys.modules[type(attn).__module__]  # the model file's own rotary and eager attention functions
-    rows, width, hidden = hidden_states.shape
-    keep = keep.to(hidden_states.device)
-    counts = keep.sum(1)
-    k_max = max(1, int(counts.max()))
-    cols = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :k_max]  # kept columns first, in order
-    valid = torch.arange(k_max, device=keep.device)[None, :] < counts[:, None]
-
-    def at_kept(t: torch.Tensor) -> torch.Tensor:  # [R, C, D] -> [R, K, D]
-        t = t.expand(rows, *t.shape[1:])
-        return t.gather(1, cols[..., None].expand(-1, -1, t.shape[-1]))
-
-    x = layer.input_layernorm(hidden_states)
-    head_dim = attn.head_dim
-    q = attn.q_proj(at_kept(x)).view(rows, k_max, -1, head_dim).transpose(1, 2)
-    k = attn.k_proj(x).view(rows, width, -1, head_dim).transpose(1, 2)
-    v = attn.v_proj(x).view(rows, width, -1, head_dim).transpose(1, 2)
-    cos, sin = position_embeddings
-    q = impl.apply_rotary_pos_emb(q, q, at_kept(cos), at_kept(sin))[0]
-    k = impl.apply_rotary_pos_emb(k, k, cos, sin)[1]
-    mask = attention_mask.expand(rows, -1, -1, -1)
-    mask = mask.gather(2, cols[:, None, :, None].expand(-1, mask.shape[1], -1, mask.shape[-1]))
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, impl.eager_attention_forward)
-    out, _ = attention(attn, q, k, v, mask, dropout=0.0 if not attn.training else attn.attention_dropout, scaling=attn.scaling)
-    h = at_kept(hidden_states) + attn.o_proj(out.reshape(rows, k_max, -1))
-    h = h + layer.mlp(layer.post_attention_layernorm(h))
-    row_index = torch.arange(rows, device=keep.device)[:, None].expand(-1, k_max)
-    return hidden_states.new_zeros(rows, width, hidden).index_put((row_index[valid], cols[valid]), h[valid])
-
-
 def _prune(batch: dict[str, torch.Tensor]) -> bool:
     flag = batch.get(PRUNE_KEY)
     return True if flag is None else bool(flag)
 
 
-def packed_forward(model, batch: dict[str, torch.Tensor], **kwargs):
+def packed_forward(model: torch.nn.Module, batch: dict[str, torch.Tensor], **kwargs: Any) -> Any:
     """``model(...)`` on a packed batch with the attention its implementation needs."""
     impl = attn_implementation(model)
-    if impl.startswith("flash"):
+    kind = _mask_kind(impl)
+    if kind is None:
         if bool((batch["branch_ids"] > 1).any()):
             raise ValueError(f"a prompt-sharing packed batch needs sdpa or eager attention, the model uses {impl}; "
                              "collate with share_prompt=False")
         mask = None  # boundaries come from the restarting position_ids
-    elif impl == "eager":
-        mask = packed_attention_mask(batch, torch.float32)
-    elif impl in ("sdpa", FP32_CPU_SDPA):
-        mask = packed_attention_mask(batch)
     else:
-        raise ValueError(f"packing supports sdpa, eager and flash_attention_* models, not {impl!r}")
+        mask = packed_attention_mask(batch, torch.float32 if kind == "additive" else None)
     return model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
                  use_cache=False, **kwargs)
+
+
+def _logits_at(model: torch.nn.Module, batch: dict[str, torch.Tensor], keep: torch.Tensor, flat: torch.Tensor,
+               prune: bool) -> torch.Tensor:
+    """Logits ``[N, V]`` at the flat packed positions ``flat``, all of them inside ``keep`` (``[R, C]``
+    bool), with the last layer and the LM head run only where ``keep`` is True."""
+    with last_layer_only_at(model, keep if prune else None):
+        try:
+            logits = packed_forward(model, batch, logits_to_keep=keep).logits
+        except TypeError:  # a model whose forward has no logits_to_keep
+            logits = packed_forward(model, batch).logits
+    if logits.dim() == 3:  # every position was computed
+        return logits.reshape(keep.numel(), -1)[flat]
+    return logits[(keep.reshape(-1).long().cumsum(0) - 1)[flat]]  # [kept, V] in flat order
 
 
 def _predictions(batch: dict[str, torch.Tensor]):
@@ -323,10 +264,11 @@ def _predictions(batch: dict[str, torch.Tensor]):
     return need, predictor, target
 
 
-def packed_token_logprobs(model, batch: dict[str, torch.Tensor], with_entropy: bool = False):
+def packed_token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                          with_entropy: bool = False) -> LogProbs:
     """Per-token log-probs ``[S, T]`` in the logical layout of ``batch["loss_mask"]``.
 
-    Like :func:`verl_core.logprobs.model_token_logprobs`: position ``t`` holds
+    Like :func:`model_token_logprobs` on a padded batch: position ``t`` holds
     ``log p(x_t | x_<t)`` of the logical sequence; only positions where ``loss_mask`` is 1
     are computed (0 elsewhere, and at ``t = 0``), and the LM head runs only at the packed
     positions that predict them.
@@ -335,16 +277,7 @@ def packed_token_logprobs(model, batch: dict[str, torch.Tensor], with_entropy: b
     rows, width = batch["input_ids"].shape
     keep = torch.zeros(rows * width, dtype=torch.bool, device=predictor.device)
     keep[predictor] = True
-    with last_layer_only_at(model, keep.view(rows, width) if _prune(batch) else None):
-        try:
-            logits = packed_forward(model, batch, logits_to_keep=keep.view(rows, width)).logits
-        except TypeError:  # a model whose forward has no logits_to_keep
-            logits = packed_forward(model, batch).logits
-    if logits.dim() == 3:  # every position was computed
-        picked = logits.reshape(rows * width, -1)[predictor]
-    else:  # [kept, V] in flat order
-        rank = keep.long().cumsum(0) - 1
-        picked = logits[rank[predictor]]
+    picked = _logits_at(model, batch, keep.view(rows, width), predictor, _prune(batch))
     out = torch.zeros(need.shape[0], need.shape[1] + 1, dtype=torch.float32, device=picked.device)
     out[:, 1:][need] = selected_logprobs(picked, target)
     if not with_entropy:
@@ -354,7 +287,24 @@ def packed_token_logprobs(model, batch: dict[str, torch.Tensor], with_entropy: b
     return out, ent
 
 
-def packed_response_logits(model, batch: dict[str, torch.Tensor], pad_id: int = 0,
+def model_token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                         with_entropy: bool = False) -> LogProbs:
+    """Forward ``model`` on a collated batch, padded or packed; per-token log-probs ``[S, T]``
+    aligned with the batch's ``loss_mask`` (position ``t``: ``log p(x_t | x_<t)``, 0 at ``t = 0``),
+    and their entropies with ``with_entropy``."""
+    if is_packed(batch):
+        return packed_token_logprobs(model, batch, with_entropy)
+    kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if "position_ids" in batch:
+        kwargs["position_ids"] = batch["position_ids"]
+    logits = model(**kwargs, use_cache=False).logits
+    lp = token_logprobs(logits, batch["input_ids"])
+    if not with_entropy:
+        return lp
+    return lp, torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0))
+
+
+def packed_response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], pad_id: int = 0,
                            row_capacity: RowCapacity = "longest", prune_last_layer: bool = True) -> torch.Tensor:
     """:func:`verl_core.algorithms.online.lm_response_logits` with each distinct prompt computed once.
 
@@ -389,65 +339,21 @@ def packed_response_logits(model, batch: dict[str, torch.Tensor], pad_id: int = 
     width = packed["input_ids"].shape[1]
     keep = torch.zeros(packed["input_ids"].numel(), dtype=torch.bool, device=ids.device)
     keep[flat] = True
-    with last_layer_only_at(model, keep.view(-1, width) if prune_last_layer else None):
-        try:
-            logits = packed_forward(model, packed, logits_to_keep=keep.view(-1, width)).logits
-        except TypeError:
-            logits = packed_forward(model, packed).logits
-    if logits.dim() == 3:
-        picked = logits.reshape(keep.shape[0], -1)[flat]
-    else:
-        picked = logits[(keep.long().cumsum(0) - 1)[flat]]
+    picked = _logits_at(model, packed, keep.view(-1, width), flat, prune_last_layer)
     out = picked.new_zeros(rows, r_len, picked.shape[-1])
     out[valid] = picked
     return out
 
 
-# -- attention kernel -------------------------------------------------------------------------
-def _sdpa_fp32_cpu(module, query, key, value, attention_mask, **kwargs):
-    """SDPA in fp32 on CPU under autocast (which would run it in bf16/fp16); the output is cast
-    to the autocast dtype, as autocast's own SDPA returns it."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if query.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    dtype = torch.get_autocast_dtype("cpu")
-    with torch.autocast("cpu", enabled=False):  # autocast would cast SDPA's inputs back down
-        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-    return out.to(dtype), weights
-
-
-def use_fp32_cpu_attention(model) -> bool:
-    """Switch an ``sdpa`` model to SDPA computed in fp32 on CPU; returns whether it switched.
-
-    On CPU, PyTorch's flash-attention kernel is several times slower in bf16 than in fp32 for
-    the backward pass (the attention is a small part of the FLOPs but was about a third of a
-    bf16-autocast training step of the bench model); upcasting q/k/v for that one op is faster
-    and more exact. Weights and every other op keep the autocast dtype; on GPU nothing changes.
-    The implementation name is not saved with the model (``save_pretrained`` writes none).
-    """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    if FP32_CPU_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(FP32_CPU_SDPA, _sdpa_fp32_cpu)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(FP32_CPU_SDPA, sdpa_mask)
-    base = _base_module(model)
-    if attn_implementation(base) != "sdpa":
-        return False
-    base.set_attn_implementation(FP32_CPU_SDPA)
-    return attn_implementation(base) == FP32_CPU_SDPA
-
-
 # -- sequence scores (reward model) -----------------------------------------------------------
-def _score_head(model) -> torch.nn.Module:
+def _score_head(model: torch.nn.Module) -> torch.nn.Module:
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == "score":
             return module
     raise ValueError("packing a sequence classifier needs its per-token score head, a submodule named 'score'")
 
 
-def packed_sequence_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def packed_sequence_scores(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Scalar score ``[S]`` of every logical sequence, read at its last token (as the padded
     ``AutoModelForSequenceClassification`` does). The per-token scores are taken from the score
     head with a forward hook, so the call still goes through the (wrapped) model's forward."""
@@ -466,7 +372,7 @@ def packed_sequence_scores(model, batch: dict[str, torch.Tensor]) -> torch.Tenso
     return scores.reshape(-1, scores.shape[-1])[last, 0].float()
 
 
-def packed_pair_rewards(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_pair_rewards(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Chosen and rejected rewards of a :func:`collate_packed_pairs` batch
     (counterpart of :func:`verl_core.algorithms.reward_model.pair_rewards`)."""
     scores = packed_sequence_scores(model, batch)

@@ -34,9 +34,8 @@ from pydantic import Field
 from verl_core.algorithms.preference import PreferenceConfig, PreferenceTrainer, attach_reference
 from verl_core.data import DataError, collate_sequences, tokenize_unpaired
 from verl_core.engine import LossOutput
-from verl_core.logprobs import model_token_logprobs
-from verl_core.packing import collate_packed_kto
 from verl_core.losses.preference import kto_loss, mismatched_indices, sequence_logps
+from verl_core.packing import collate_packed_kto, model_token_logprobs
 
 
 class KTOConfig(PreferenceConfig):

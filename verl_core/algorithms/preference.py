@@ -36,9 +36,9 @@ from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.data.formats import LongPromptPolicy
 from verl_core.engine import Engine, TrainConfig
-from verl_core.logprobs import model_token_logprobs
 from verl_core.losses.preference import sequence_logps
 from verl_core.models import LoraSettings, is_peft, load_causal_lm
+from verl_core.packing import model_token_logprobs
 from verl_core.precision import allow_precision_change
 
 REF_KEY = "ref_logps"

@@ -7,8 +7,7 @@ from verl_core.algorithms.base import OfflineTrainer, PackingSettings
 from verl_core.data import collate_sft, tokenize_sft
 from verl_core.data.formats import LongPromptPolicy
 from verl_core.engine import LossOutput, TrainConfig
-from verl_core.logprobs import model_token_logprobs
-from verl_core.packing import collate_packed_sft
+from verl_core.packing import collate_packed_sft, model_token_logprobs
 
 
 class SFTConfig(TrainConfig, PackingSettings):
@@ -32,8 +31,8 @@ class SFTTrainer(OfflineTrainer):
         return tokenize_sft(rows, self.tokenizer, c.max_length, c.max_prompt_length, c.on_long_prompt)
 
     def collate(self, examples):
-        if self.config.packing:
-            c = self.config
+        c = self.config
+        if c.packing:
             return collate_packed_sft(examples, self.tokenizer.pad_token_id, c.packing_row_tokens, c.prune_last_layer)
         return collate_sft(examples, self.tokenizer.pad_token_id)
 

@@ -1,0 +1,126 @@
+"""How a model's forward is run: the wrapped base model, its attention implementation, and
+last-layer pruning (the last decoder layer computes its output only where it is read).
+
+Pruning uses module hooks only (no replaced ``forward``, no re-implemented layer), so a model
+keeps its own attention kernel, rotary embeddings and gradient checkpointing code.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger("verl_core")
+
+# Decoder layers checked to do, after ``self_attn.o_proj``, only per-token work (residual adds,
+# norms, a dense MLP) and to use ``o_proj``'s output only in the layer's own residual stream:
+# gathering o_proj's input and the MLP's input at kept positions then changes nothing there.
+# tests/test_packing.py builds each one and compares pruned and full log-probs.
+PRUNABLE_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+                   "GemmaDecoderLayer")
+# Lowest and highest transformers major version those checks ran on (5.24). A 4.x install (the
+# project's floor is 4.56) runs unpruned until tests/test_packing.py has passed on it.
+TESTED_TRANSFORMERS_MAJOR = (5, 5)
+
+_logged_reasons: set[str] = set()
+
+
+def base_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The model under DDP-style wrappers (``.module``) and peft (``get_base_model``)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def attn_implementation(model: torch.nn.Module) -> str:
+    config = getattr(base_module(model), "config", None)
+    return getattr(config, "_attn_implementation", None) or "sdpa"
+
+
+def _last_decoder_layer(model: torch.nn.Module) -> tuple[torch.nn.Module | None, str | None]:
+    """The last decoder layer, or ``None`` and why it cannot be pruned."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    low, high = TESTED_TRANSFORMERS_MAJOR
+    if not low <= major <= high:
+        return None, f"transformers {transformers.__version__} is outside the tested major versions {low}..{high}"
+    inner = getattr(base_module(model), "model", None)
+    layers = getattr(inner, "layers", None)
+    if not layers:
+        return None, f"{type(base_module(model)).__name__} has no model.layers"
+    # num_hidden_layers, not len(layers): some models append extra (e.g. draft) layers after it
+    layer = layers[getattr(inner.config, "num_hidden_layers", len(layers)) - 1]
+    name = type(layer).__name__
+    if name not in PRUNABLE_LAYERS:
+        return None, f"{name} is not a known decoder layer (verl_core.forward.PRUNABLE_LAYERS)"
+    if not isinstance(getattr(getattr(layer, "self_attn", None), "o_proj", None), torch.nn.Module) \
+            or not isinstance(getattr(layer, "mlp", None), torch.nn.Module):
+        return None, f"{name} lacks self_attn.o_proj or mlp"
+    return layer, None
+
+
+def can_prune_last_layer(model: torch.nn.Module) -> bool:
+    """Whether :func:`last_layer_only_at` prunes this model (see :data:`PRUNABLE_LAYERS` and
+    :data:`TESTED_TRANSFORMERS_MAJOR`)."""
+    return _last_decoder_layer(model)[0] is not None
+
+
+def _gather_scatter_hooks(module: torch.nn.Module, keep: torch.Tensor) -> list:
+    """Hooks making ``module`` ([R, C, D] -> [R, C, H]) run on the kept positions only, as one
+    ``[1, K, D]`` batch, and return zeros at the others."""
+    gathered: list[bool] = []  # per call: whether the pre-hook gathered, so the forward hook scatters back
+
+    def gather(_module, args):
+        x = args[0]
+        gathered.append(x.shape[:-1] == keep.shape)
+        # a call of another shape (none in the packed forwards) runs in full rather than failing
+        return (x[keep.to(x.device)][None], *args[1:]) if gathered[-1] else None
+
+    def scatter(_module, _args, out):
+        if not gathered.pop():
+            return None
+        full = out.new_zeros(*keep.shape, out.shape[-1])
+        full[keep.to(out.device)] = out[0]
+        return full
+
+    return [module.register_forward_pre_hook(gather), module.register_forward_hook(scatter)]
+
+
+@contextlib.contextmanager
+def last_layer_only_at(model: torch.nn.Module, keep: torch.Tensor | None) -> Iterator[bool]:
+    """Inside the block, the model's LAST decoder layer runs ``o_proj`` and its MLP only at the
+    positions where ``keep`` (``[R, C]`` bool) is True; its output there is exactly the full
+    layer's, elsewhere it is meaningless (the input plus zeros).
+
+    Only the last layer can be cut: every position's hidden state in the layers below feeds the
+    keys and values that kept positions attend to. Its attention output projection and MLP are
+    needed only where a logit or score is read: in SFT / DPO / KTO batches the prompt tokens (all
+    but the last) are not, in a reward-model batch only each sequence's last token is. Queries,
+    keys and values are still computed at every position. Yields whether the model was pruned; a
+    model :func:`can_prune_last_layer` rejects runs in full, with one log line per reason.
+    """
+    layer, reason = _last_decoder_layer(model) if keep is not None else (None, None)
+    if reason is not None and reason not in _logged_reasons:
+        _logged_reasons.add(reason)
+        log.info("last-layer pruning skipped (the full layer runs, results are unchanged): %s", reason)
+    if layer is None:
+        yield False
+        return
+    hooks = _gather_scatter_hooks(layer.self_attn.o_proj, keep) + _gather_scatter_hooks(layer.mlp, keep)
+    # A checkpointed layer is recomputed during backward, after the hooks are gone, and the
+    # recompute's shapes would then differ from the pruned forward's: this layer is not checkpointed.
+    checkpointing = layer.__dict__.get("gradient_checkpointing")
+    if checkpointing:
+        layer.gradient_checkpointing = False
+    try:
+        yield True
+    finally:
+        for hook in hooks:
+            hook.remove()
+        if checkpointing:
+            layer.gradient_checkpointing = checkpointing

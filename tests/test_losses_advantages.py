@@ -2,17 +2,24 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
 
+import verl_core.losses as losses
 from verl_core.losses.advantages import (
     ADVANTAGE_ESTIMATORS,
     broadcast_to_tokens,
     discounted_returns,
+    dr_grpo_advantages,
     gae_advantages,
+    gae_outcome_advantages,
     grpo_advantages,
+    outcome_token_rewards,
     reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    reinforce_pp_outcome_advantages,
     rloo_advantages,
 )
 from verl_core.losses.masked import masked_mean, masked_sum, masked_var, masked_whiten
@@ -168,6 +175,103 @@ def test_reinforce_pp_returns_then_whitened() -> None:
     assert adv[1, 2].item() == 0.0
 
 
+# --- Dr. GRPO, group size 1, token broadcast ------------------------------------------------
+
+
+def test_dr_grpo_hand_values() -> None:
+    # group mean subtracted only: group 7 mean 0.5, group 3 mean 1.25, singleton group 42 -> 0
+    expected = [0.5, -0.75, -0.5, 0.75, -0.5, 0.5, 0.0]
+    close(dr_grpo_advantages(SCORES, GROUPS), expected)
+
+
+@pytest.mark.parametrize("estimator", [grpo_advantages, dr_grpo_advantages, rloo_advantages])
+def test_group_estimators_groups_of_size_one_give_zero(estimator) -> None:
+    adv = estimator(torch.tensor([3.0, -1.0, 0.5]), [0, 1, 2])
+    close(adv, [0.0, 0.0, 0.0])
+    assert torch.isfinite(adv).all()
+
+
+def test_group_estimators_broadcast_with_mask() -> None:
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 1, 1]])  # row 2 has a hole at the front
+    scores, groups = torch.tensor([1.0, 0.0, 5.0]), [0, 0, 1]  # group 1 is a singleton
+    # grpo: +-0.5 / std(1, 0) = +-0.5 / 0.7071068 ; dr_grpo: +-0.5 ; rloo: +-1
+    g = 0.5 / math.sqrt(0.5)
+    close(grpo_advantages(scores, groups, response_mask=mask, eps=0.0), [[g, g, 0], [-g, 0, 0], [0, 0, 0]])
+    close(dr_grpo_advantages(scores, groups, response_mask=mask), [[0.5, 0.5, 0], [-0.5, 0, 0], [0, 0, 0]])
+    close(rloo_advantages(scores, groups, response_mask=mask), [[1.0, 1.0, 0], [-1.0, 0, 0], [0, 0, 0]])
+
+
+# --- REINFORCE++-baseline --------------------------------------------------------------------
+
+
+def test_reinforce_pp_baseline_hand_values() -> None:
+    # group 0: scores 1, 0 -> centred 0.5, -0.5 ; group 1: 2, 2, 5 -> -1, -1, 2 ; group 9: singleton -> 0
+    scores = torch.tensor([1.0, 0.0, 2.0, 2.0, 5.0, 7.0])
+    groups = [0, 0, 1, 1, 1, 9]
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
+    centred = [0.5, -0.5, -1.0, -1.0, 2.0]
+    # whitened over the valid *tokens* of the non-singleton rows (longer rows weigh more):
+    tokens = [0.5] * 3 + [-0.5] + [-1.0] * 2 + [-1.0] + [2.0] * 2
+    mean, std = statistics.mean(tokens), statistics.stdev(tokens)  # 2/9, unbiased std
+    w = [(c - mean) / math.sqrt(std**2 + 1e-8) for c in centred]
+    expected = [[w[0]] * 3, [w[1], 0, 0], [w[2], w[2], 0], [w[3], 0, 0], [w[4], w[4], 0], [0, 0, 0]]
+    adv = reinforce_pp_baseline_advantages(scores, groups, response_mask=mask)
+    close(adv, expected, atol=1e-5)
+    valid = adv[mask.bool() & torch.tensor([True] * 5 + [False])[:, None]]
+    assert valid.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert valid.std().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_reinforce_pp_baseline_degenerate_batches_are_zero_not_nan() -> None:
+    mask = torch.tensor([[1, 1], [1, 0]])
+    close(reinforce_pp_baseline_advantages(torch.tensor([1.0, 2.0]), [0, 1], response_mask=mask), [[0, 0], [0, 0]])
+    close(reinforce_pp_baseline_advantages(torch.tensor([3.0, 3.0]), [0, 0], response_mask=mask), [[0, 0], [0, 0]])
+
+
+# --- outcome-score adapters of the token-level estimators ------------------------------------
+
+
+def test_outcome_token_rewards() -> None:
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 0]])  # row 1 has a hole, row 2 is empty
+    dense = torch.tensor([[-0.1, -0.2, NAN], [-0.3, 99.0, -0.4], [1.0, 1.0, 1.0]])
+    close(outcome_token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask), [[0, 1, 0], [0, 0, 2], [0, 0, 0]])
+    close(outcome_token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask, dense), [[-0.1, 0.8, 0], [-0.3, 0, 1.6], [0, 0, 0]])
+
+
+def test_reinforce_pp_outcome_hand_values() -> None:
+    # token rewards [[0, 1, 0], [0, 0, 0]] ; gamma 0.5 -> returns 0.5, 1 | 0 ; mean 0.5, unbiased std 0.5
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    adv = reinforce_pp_outcome_advantages(torch.tensor([1.0, 0.0]), [0, 1], response_mask=mask, gamma=0.5)
+    close(adv, [[0.0, 1.0, 0.0], [-1.0, 0.0, 0.0]], atol=1e-6)
+
+
+def test_gae_outcome_matches_gae_hand_values() -> None:
+    # REWARDS above are exactly outcome score 1 on each row's last valid token.
+    adv = gae_outcome_advantages(torch.tensor([1.0, 1.0]), None, response_mask=MASK, values=VALUES, gamma=GAMMA, lam=LAM)
+    close(adv, EXPECTED_ADV)
+
+
+# --- registry ------------------------------------------------------------------------------
+
+
 def test_registry_names() -> None:
-    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_pp"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
     assert ADVANTAGE_ESTIMATORS["grpo"] is grpo_advantages
+    assert losses.ADVANTAGE_ESTIMATORS is ADVANTAGE_ESTIMATORS
+    for name in ["dr_grpo_advantages", "reinforce_pp_baseline_advantages", "reinforce_pp_outcome_advantages",
+                 "gae_outcome_advantages", "outcome_token_rewards"]:
+        assert name in losses.__all__ and hasattr(losses, name)
+
+
+def test_registry_one_calling_convention() -> None:
+    # (scores, group_index, response_mask=...) -> [N, T], 0 at masked positions; rows 4/5 are a singleton group.
+    scores = torch.tensor([1.0, 0.0, 0.5, 2.0, 4.0])
+    groups = torch.tensor([0, 0, 1, 1, 2])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1], [1, 1, 0]])
+    extra = {"gae": {"values": torch.full((5, 3), 0.25)}}
+    for name, fn in ADVANTAGE_ESTIMATORS.items():
+        adv = fn(scores, groups, response_mask=mask, **extra.get(name, {}))
+        assert adv.shape == (5, 3) and torch.isfinite(adv).all(), name
+        assert (adv[~mask.bool()] == 0).all(), name
+        if name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"):
+            assert (adv[4] == 0).all(), name  # singleton group

@@ -4,10 +4,39 @@ Token tensors are [B, T] with a 0/1 ``response_mask`` of the same shape; per-seq
 tensors are [N]. Outputs are detached (advantages are targets, not part of the graph)
 and are exactly 0 at masked positions. Recursions run over the *valid* tokens only, so a
 mask with holes behaves as if the masked tokens were not there.
+
+:data:`ADVANTAGE_ESTIMATORS` maps a name to an estimator with one calling convention::
+
+    ADVANTAGE_ESTIMATORS[name](scores, group_index, *, response_mask=mask, **options) -> [B, T]
+
+``scores`` [N] is one outcome score per completion and ``group_index`` [N] its group (prompt)
+id; with ``response_mask`` [N, T] every entry returns [N, T] token advantages (0 at masked
+positions). Options and input levels per entry:
+
+========================= ========================================= ===========================================
+name                      function                                  options / notes
+========================= ========================================= ===========================================
+``grpo``                  :func:`grpo_advantages`                   ``norm_by_std=True, eps=1e-6``; [N] if no mask
+``dr_grpo``               :func:`dr_grpo_advantages`                [N] if no mask
+``rloo``                  :func:`rloo_advantages`                   [N] if no mask
+``reinforce_pp_baseline`` :func:`reinforce_pp_baseline_advantages`  ``eps=1e-8``; mask required (token whitening)
+``reinforce_pp``          :func:`reinforce_pp_outcome_advantages`   ``dense_rewards=None, gamma=1.0``; token-level,
+                                                                    ``group_index`` unused (batch baseline)
+``gae``                   :func:`gae_outcome_advantages`            ``values`` (required, token-level),
+                                                                    ``dense_rewards=None, gamma=1.0, lam=0.95``;
+                                                                    ``group_index`` unused; advantages only
+========================= ========================================= ===========================================
+
+The token-level estimators (``reinforce_pp``, ``gae``) place each score on the last valid token
+of its row (:func:`outcome_token_rewards`), plus optional per-token ``dense_rewards`` [N, T]
+(e.g. ``-beta * KL``). Their token-reward functions :func:`reinforce_pp_advantages` and
+:func:`gae_advantages` (which also returns the value targets) stay available for callers
+that build token rewards themselves. A group of size 1 has no baseline: the group estimators
+give it advantage 0 (never NaN).
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -73,12 +102,22 @@ def _group_sums(x: Tensor, dense: Tensor, n_groups: int) -> Tensor:
     return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, dense, x)
 
 
+def _as_float(scores: Tensor) -> Tensor:
+    return scores.to(torch.promote_types(scores.dtype, torch.float32))
+
+
+def _maybe_broadcast(adv: Tensor, response_mask: Tensor | None) -> Tensor:
+    return adv if response_mask is None else broadcast_to_tokens(adv, response_mask)
+
+
 @torch.no_grad()
 def grpo_advantages(
     scores: Tensor,
     group_index: Tensor | Sequence[int],
     norm_by_std: bool = True,
     eps: float = 1e-6,
+    *,
+    response_mask: Tensor | None = None,
 ) -> Tensor:
     """Group-relative advantages of GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
 
@@ -90,26 +129,47 @@ def grpo_advantages(
     ``std_g`` is the unbiased sample std (as ``torch.std``). A group of size 1 has no
     baseline to compare with, so its advantage is 0.
 
+    (verl's GRPO instead gives a singleton group mean 0 and std 1, i.e. its raw score.)
+
     Args:
         scores: [N] one scalar score per completion.
         group_index: [N] integer group id per completion (any ids, any order).
+        response_mask: optional [N, T]; when given the result is broadcast to tokens.
     Returns:
-        [N] advantages (broadcast to tokens with :func:`broadcast_to_tokens`).
+        [N] advantages, or [N, T] with ``response_mask`` (see :func:`broadcast_to_tokens`).
     """
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    scores = _as_float(scores)
     dense, n_groups = _group_ids(group_index, scores.device)
     count = _group_sums(torch.ones_like(scores), dense, n_groups)
     mean = _group_sums(scores, dense, n_groups) / count
     centered = scores - mean[dense]
-    if not norm_by_std:
-        return torch.where(count[dense] > 1, centered, 0.0)
-    var = _group_sums(centered**2, dense, n_groups) / (count - 1).clamp(min=1)
-    adv = centered / (var.sqrt()[dense] + eps)
-    return torch.where(count[dense] > 1, adv, 0.0)
+    if norm_by_std:
+        var = _group_sums(centered**2, dense, n_groups) / (count - 1).clamp(min=1)
+        centered = centered / (var.sqrt()[dense] + eps)
+    return _maybe_broadcast(torch.where(count[dense] > 1, centered, 0.0), response_mask)
 
 
 @torch.no_grad()
-def rloo_advantages(scores: Tensor, group_index: Tensor | Sequence[int]) -> Tensor:
+def dr_grpo_advantages(
+    scores: Tensor, group_index: Tensor | Sequence[int], *, response_mask: Tensor | None = None
+) -> Tensor:
+    """Dr. GRPO advantages (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783).
+
+    GRPO without the std normalisation (which biases towards too easy / too hard prompts)::
+
+        A_i = s_i - mean_g
+
+    A group of size 1 gets 0. Same as ``grpo_advantages(..., norm_by_std=False)``; pair it with
+    a length-unbiased loss aggregation (``"seq-mean-token-sum-norm"``) for the full Dr. GRPO.
+    Returns [N], or [N, T] with ``response_mask``.
+    """
+    return grpo_advantages(scores, group_index, norm_by_std=False, response_mask=response_mask)
+
+
+@torch.no_grad()
+def rloo_advantages(
+    scores: Tensor, group_index: Tensor | Sequence[int], *, response_mask: Tensor | None = None
+) -> Tensor:
     """REINFORCE Leave-One-Out advantages (Ahmadian et al. 2024, arXiv:2402.14740).
 
     For sample i in a group of k samples, the baseline is the mean of the *other* k-1::
@@ -121,15 +181,16 @@ def rloo_advantages(scores: Tensor, group_index: Tensor | Sequence[int]) -> Tens
     Args:
         scores: [N] one scalar score per completion.
         group_index: [N] integer group id per completion.
+        response_mask: optional [N, T]; when given the result is broadcast to tokens.
     Returns:
-        [N] advantages.
+        [N] advantages, or [N, T] with ``response_mask``.
     """
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    scores = _as_float(scores)
     dense, n_groups = _group_ids(group_index, scores.device)
     count = _group_sums(torch.ones_like(scores), dense, n_groups)[dense]
     total = _group_sums(scores, dense, n_groups)[dense]
     baseline = (total - scores) / (count - 1).clamp(min=1)
-    return torch.where(count > 1, scores - baseline, 0.0)
+    return _maybe_broadcast(torch.where(count > 1, scores - baseline, 0.0), response_mask)
 
 
 def broadcast_to_tokens(adv: Tensor, response_mask: Tensor) -> Tensor:
@@ -177,11 +238,92 @@ def reinforce_pp_advantages(
     return masked_whiten(returns, response_mask)
 
 
-# Name -> estimator. The signatures differ by family (token-level with values, token-level
-# without, sequence-level with groups); the caller dispatches on the family.
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor | tuple[Tensor, Tensor]]] = {
-    "gae": gae_advantages,
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(
+    scores: Tensor, group_index: Tensor | Sequence[int], *, response_mask: Tensor, eps: float = 1e-8
+) -> Tensor:
+    """REINFORCE++-baseline advantages (Hu 2025, arXiv:2501.03262; verl's ``reinforce_plus_plus_baseline``).
+
+    The group mean is subtracted (a per-prompt baseline, no std division), the result is given
+    to every valid token, then whitened with the statistics of the batch's valid *tokens*::
+
+        c_i    = s_i - mean_g                                   (local baseline)
+        A_i,t  = (c_i - mean_tok(c)) / sqrt(var_tok(c) + eps)   (global token-level whitening)
+
+    where ``mean_tok``/``var_tok`` (unbiased) run over the valid tokens of the sequences whose
+    group has >= 2 members, so longer responses weigh more, as in verl. A group of size 1 has
+    no baseline: its tokens get 0 and are left out of the statistics (verl would keep its raw
+    score). Returns [N, T], 0 at masked positions.
+    """
+    centered = grpo_advantages(scores, group_index, norm_by_std=False)
+    dense, n_groups = _group_ids(group_index, centered.device)
+    in_group = (_group_sums(torch.ones_like(centered), dense, n_groups)[dense] > 1).unsqueeze(-1)
+    token_mask = response_mask.bool() & in_group
+    return masked_whiten(broadcast_to_tokens(centered, response_mask), token_mask, eps=eps)
+
+
+def outcome_token_rewards(scores: Tensor, response_mask: Tensor, dense_rewards: Tensor | None = None) -> Tensor:
+    """Token rewards of an outcome score: ``r[i, t] = s_i`` on the last valid token of row i, else 0.
+
+    ``dense_rewards`` [N, T] (e.g. ``-beta * KL_t``) is added on the valid tokens. A row with no
+    valid token gets no reward. [N] -> [N, T]; masked positions are 0.
+    """
+    scores = _as_float(scores)
+    mask = response_mask.bool()
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    last = torch.where(mask, positions, -1).amax(dim=-1, keepdim=True)
+    rewards = torch.where(mask & (positions == last), scores.unsqueeze(-1), 0.0)
+    if dense_rewards is not None:
+        rewards = rewards + torch.where(mask, dense_rewards, 0.0)
+    return rewards
+
+
+@torch.no_grad()
+def reinforce_pp_outcome_advantages(
+    scores: Tensor,
+    group_index: Tensor | Sequence[int] | None = None,
+    *,
+    response_mask: Tensor,
+    dense_rewards: Tensor | None = None,
+    gamma: float = 1.0,
+) -> Tensor:
+    """REINFORCE++ from outcome scores (registry ``"reinforce_pp"``; ``group_index`` is unused).
+
+    ``reinforce_pp_advantages(outcome_token_rewards(scores, response_mask, dense_rewards), response_mask, gamma)``:
+    the return-to-go of the token rewards, whitened over the batch's valid tokens. Returns [N, T].
+    """
+    rewards = outcome_token_rewards(scores, response_mask, dense_rewards)
+    return reinforce_pp_advantages(rewards, response_mask, gamma)
+
+
+@torch.no_grad()
+def gae_outcome_advantages(
+    scores: Tensor,
+    group_index: Tensor | Sequence[int] | None = None,
+    *,
+    response_mask: Tensor,
+    values: Tensor,
+    dense_rewards: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> Tensor:
+    """GAE from outcome scores and critic ``values`` [N, T] (registry ``"gae"``; ``group_index`` is unused).
+
+    The advantages of ``gae_advantages(outcome_token_rewards(scores, response_mask, dense_rewards),
+    values, response_mask, gamma, lam)``; the value targets are ``where(mask, A + values, 0)``
+    (or call :func:`gae_advantages` for both). Returns [N, T].
+    """
+    rewards = outcome_token_rewards(scores, response_mask, dense_rewards)
+    return gae_advantages(rewards, values, response_mask, gamma, lam)[0]
+
+
+# Name -> estimator, one calling convention (see the module docstring):
+# ``fn(scores, group_index, *, response_mask=..., **options)``, [N, T] token advantages with a mask.
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Tensor]] = {
     "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
     "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
+    "reinforce_pp": reinforce_pp_outcome_advantages,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantages,
+    "gae": gae_outcome_advantages,
 }

@@ -60,3 +60,15 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+# Fixtures that train or start servers: a test using one is part of the slow subset.
+SLOW_FIXTURES = {"sft_path", "prefect_harness"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """``-m 'not slow'`` is the fast subset (about a minute): tests that train a stage, run a flow
+    or start servers are marked ``slow`` by the fixtures they use or by their module's mark."""
+    for item in items:
+        if SLOW_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)

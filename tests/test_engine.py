@@ -12,7 +12,7 @@ import torch
 from verl_core import arithmetic
 from verl_core.algorithms.sft import SFTTrainer
 from verl_core.callbacks import Callback
-from verl_core.engine import TrainingError
+from verl_core.engine import TrainingError, checkpoint_step, latest_checkpoint
 
 ROWS = arithmetic.sft_rows(64)
 
@@ -32,6 +32,16 @@ class _Kill(Callback):
             raise KeyboardInterrupt(f"killed after step {step}")
 
 
+class _Updates(Callback):
+    """Records the optimizer-step counter the engine reports after every update."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+
+    def on_update(self, step: int, metrics: dict[str, float]) -> None:
+        self.steps.append(step)
+
+
 def _trainer(path, out, **kw):
     cfg = dict(train_dataset=ROWS, max_steps=6, batch_size=8, learning_rate=1e-3, warmup_steps=2,
                output_dir=str(out) if out else None, progress=False, logging_steps=1, seed=3)
@@ -40,8 +50,10 @@ def _trainer(path, out, **kw):
 
 
 def test_resume_after_kill_equals_uninterrupted_run_bitwise(tiny_path, tmp_path):
-    full = _trainer(tiny_path, tmp_path / "full")
+    updates = _Updates()
+    full = _trainer(tiny_path, tmp_path / "full", callbacks=[updates])
     full_result = full.train()
+    assert updates.steps == [1, 2, 3, 4, 5, 6] and full_result.resumed_from_step == 0
 
     killed = _trainer(tiny_path, tmp_path / "resumed", save_steps=3, callbacks=[_Kill(at=3)])
     with pytest.raises(KeyboardInterrupt):
@@ -49,6 +61,7 @@ def test_resume_after_kill_equals_uninterrupted_run_bitwise(tiny_path, tmp_path)
     assert not (tmp_path / "resumed" / "model").exists(), "a killed run must not leave a final model"
     resumed = _trainer(tiny_path, tmp_path / "resumed", save_steps=3)
     resumed_result = resumed.train()
+    assert resumed_result.resumed_from_step == checkpoint_step(latest_checkpoint(tmp_path / "resumed")) == 3
 
     assert resumed_result.steps == full_result.steps == 6
     a, b = _params(full.engine.unwrapped), _params(resumed.engine.unwrapped)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 
 
@@ -18,6 +19,16 @@ def one_thread():
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=False)
+
+
+class _Updates(Callback):
+    """Records every optimizer step's metrics (the engine's per-update hook)."""
+
+    def __init__(self):
+        self.metrics: list[dict[str, float]] = []
+
+    def on_update(self, step: int, metrics: dict[str, float]) -> None:
+        self.metrics.append(metrics)
 
 
 def _trainer(path, cls_name="GRPOTrainer", **overrides):
@@ -61,9 +72,10 @@ def test_groups_with_equal_rewards_leave_the_policy_unchanged(sft_path):
 
 @pytest.mark.parametrize("cls_name", ["GRPOTrainer", "RLOOTrainer", "ReinforcePPTrainer"])
 def test_kl_to_the_reference_starts_at_zero(sft_path, cls_name):
-    trainer = _trainer(sft_path, cls_name, max_steps=1, kl_coef=0.1)
+    updates = _Updates()
+    trainer = _trainer(sft_path, cls_name, max_steps=1, kl_coef=0.1, callbacks=[updates])
     result = trainer.train()
-    first = trainer.update_history[0]
+    first = updates.metrics[0]
     if trainer.config.kl_in == "loss":
         assert abs(first["policy/kl_loss"]) < 1e-6
     else:

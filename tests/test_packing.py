@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_core import arithmetic, packing
+from verl_core import arithmetic, forward, packing
 from verl_core.algorithms.reward_model import pair_rewards
 from verl_core.data import (collate_pairs, collate_sequences, collate_sft, tokenize_pairs, tokenize_prompts, tokenize_sft,
                             tokenize_unpaired)
-from verl_core.logprobs import model_token_logprobs
 from verl_core.losses.preference import dpo_loss, sequence_logps
 from verl_core.models import load_causal_lm, load_reward_model, load_tokenizer
+from verl_core.packing import model_token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -114,20 +114,6 @@ def test_packed_sft_loss_and_gradients_equal_padded(tiny_path, tok, sft_examples
         torch.testing.assert_close(gq, gp, rtol=1e-4, atol=1e-6)
 
 
-def test_packed_entropy_equals_padded_on_loss_positions(tiny_path, tok, sft_examples):
-    model = _model(tiny_path)
-    padded = collate_sft(sft_examples, tok.pad_token_id)
-    packed = packing.collate_packed_sft(sft_examples, tok.pad_token_id)
-    with torch.no_grad():
-        lp_pad, ent_pad = model_token_logprobs(model, padded, with_entropy=True)
-        lp_packed, ent_packed = packing.packed_token_logprobs(model, packed, with_entropy=True)
-    need = padded["loss_mask"].bool().clone()
-    need[:, 0] = False
-    torch.testing.assert_close(lp_packed[need], lp_pad[need], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent_packed[need], ent_pad[need], rtol=1e-5, atol=1e-5)
-    assert bool((lp_packed[~need] == 0).all())
-
-
 @pytest.mark.parametrize("share_prompt", [True, False])
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_packed_dpo_pair_logps_and_loss_equal_padded(tiny_path, tok, pair_examples, share_prompt, impl):
@@ -185,8 +171,10 @@ def test_packed_reward_scores_equal_padded(tiny_path, tok, pair_examples, share_
     rm = load_reward_model(tiny_path).eval()
     padded = collate_pairs(pair_examples, tok.pad_token_id)
     packed = packing.collate_packed_pairs(pair_examples, tok.pad_token_id, share_prompt=share_prompt)
+    seen = _mlp_rows(rm)
     c_pad, r_pad = pair_rewards(rm, padded)
     c_packed, r_packed = packing.packed_pair_rewards(rm, packed)
+    assert seen[1] == 2 * len(pair_examples)  # the pruned last layer: each sequence's last token only
     torch.testing.assert_close(c_packed, c_pad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(r_packed, r_pad, rtol=1e-5, atol=1e-5)
     grad_pad = torch.autograd.grad(-(c_pad - r_pad).sigmoid().log().mean(), [rm.score.weight])[0]
@@ -194,7 +182,7 @@ def test_packed_reward_scores_equal_padded(tiny_path, tok, pair_examples, share_
     torch.testing.assert_close(grad_packed, grad_pad, rtol=1e-4, atol=1e-7)
 
 
-def test_model_token_logprobs_dispatches_packed_batches_and_models_without_logits_to_keep_work(tiny_path, tok, sft_examples):
+def test_model_token_logprobs_and_entropies_of_packed_batches_also_without_logits_to_keep(tiny_path, tok, sft_examples):
     model = _model(tiny_path)
 
     class NoLogitsToKeep(torch.nn.Module):
@@ -209,16 +197,21 @@ def test_model_token_logprobs_dispatches_packed_batches_and_models_without_logit
     padded = collate_sft(sft_examples, tok.pad_token_id)
     packed = packing.collate_packed_sft(sft_examples, tok.pad_token_id)
     with torch.no_grad():
-        a = _sft_loss(model_token_logprobs(model, padded), padded)
-        b = _sft_loss(model_token_logprobs(model, packed), packed)
-        c = _sft_loss(packing.packed_token_logprobs(NoLogitsToKeep(model), packed), packed)
-    assert abs(a - b) < 1e-5 and abs(b - c) < 1e-6
+        lp_pad, ent_pad = model_token_logprobs(model, padded, with_entropy=True)
+        lp_packed, ent_packed = model_token_logprobs(model, packed, with_entropy=True)
+        no_logits_to_keep = packing.packed_token_logprobs(NoLogitsToKeep(model), packed)
+    need = padded["loss_mask"].bool().clone()
+    need[:, 0] = False
+    torch.testing.assert_close(lp_packed[need], lp_pad[need], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_packed[need], ent_pad[need], rtol=1e-5, atol=1e-5)
+    assert bool((lp_packed[~need] == 0).all()) and abs(_sft_loss(lp_packed, packed) - _sft_loss(no_logits_to_keep, packed)) < 1e-6
 
 
-def test_flash_attention_gets_no_mask_and_refuses_shared_prompts(tiny_path, tok, pair_examples):
+def test_flash_attention_gets_no_mask_and_refuses_shared_prompts_a_custom_sdpa_kernel_gets_sdpas(tiny_path, tok, pair_examples):
     model = _model(tiny_path)
     model.config._attn_implementation = "flash_attention_2"
     assert not packing.supports_shared_prompt(model)
+    assert forward.can_prune_last_layer(model)  # pruning never touches the attention kernel
     shared = packing.collate_packed_pairs(pair_examples, tok.pad_token_id, share_prompt=True)
     with pytest.raises(ValueError, match="share_prompt=False"):
         packing.packed_forward(model, shared)
@@ -226,26 +219,9 @@ def test_flash_attention_gets_no_mask_and_refuses_shared_prompts(tiny_path, tok,
     model.forward = lambda **kw: seen.update(kw)  # no flash-attn kernel on CPU: check the call only
     packing.packed_forward(model, packing.collate_packed_pairs(pair_examples, tok.pad_token_id, share_prompt=False))
     assert seen["attention_mask"] is None and seen["position_ids"] is not None
-
-
-def test_fp32_cpu_attention_is_exact_without_autocast_and_closer_under_it(tiny_path, tok, sft_examples, tmp_path):
-    reference, fast, plain = _model(tiny_path), _model(tiny_path), _model(tiny_path)
-    assert packing.use_fp32_cpu_attention(fast) and packing.attn_implementation(fast) == packing.FP32_CPU_SDPA
-    assert not packing.use_fp32_cpu_attention(_model(tiny_path, "eager"))  # only sdpa models switch
-    padded = collate_sft(sft_examples, tok.pad_token_id)
-    packed = packing.collate_packed_sft(sft_examples, tok.pad_token_id)
-    with torch.no_grad():
-        exact = model_token_logprobs(reference, padded)
-        assert torch.equal(model_token_logprobs(fast, padded), exact)  # no autocast: the same kernel, same dtype
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            bf16_fast = packing.packed_token_logprobs(fast, packed)
-            bf16_plain = model_token_logprobs(plain, padded)
-    mask = padded["loss_mask"].bool()
-    err_fast = (bf16_fast - exact)[mask].abs().mean()
-    err_plain = (bf16_plain - exact)[mask].abs().mean()
-    assert err_fast <= err_plain * 1.05, (err_fast, err_plain)
-    fast.save_pretrained(tmp_path / "saved")
-    assert packing.attn_implementation(load_causal_lm(tmp_path / "saved")) == "sdpa"  # not persisted
+    model.config._attn_implementation = "sdpa_fp32_cpu"  # as bench/fp32_attention.py registers one
+    packing.packed_forward(model, shared)
+    assert seen["attention_mask"].dtype == torch.bool and packing.supports_shared_prompt(model)
 
 
 def test_packed_response_logits_share_each_prompt_and_equal_the_padded_ones(tiny_path, tok):
@@ -257,6 +233,7 @@ def test_packed_response_logits_share_each_prompt_and_equal_the_padded_ones(tiny
     prompts = [e["prompt_ids"] for e in tokenize_prompts(arithmetic.prompt_rows(4), tok, 64)]
     rollout = HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id).generate(
         prompts, SamplingParams(max_new_tokens=10, n=3), seed=0)
+    seen = _mlp_rows(model)
     batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "position_ids": rollout.position_ids,
              "response_ids": rollout.response_ids, "response_mask": rollout.response_mask}
     batch = {k: v[torch.randperm(12, generator=torch.Generator().manual_seed(0))] for k, v in batch.items()}  # groups split up
@@ -265,6 +242,7 @@ def test_packed_response_logits_share_each_prompt_and_equal_the_padded_ones(tiny
     lp_pad = selected_logprobs(lm_response_logits(model, batch), batch["response_ids"])
     lp_shared = selected_logprobs(packing.packed_response_logits(model, batch, tok.pad_token_id), batch["response_ids"])
     torch.testing.assert_close(lp_shared[mask], lp_pad[mask], rtol=1e-5, atol=1e-5)
+    assert seen[1] <= int(mask.sum()) < seen[0]  # the pruned last layer: only where a response token is predicted
     g_pad = torch.autograd.grad(lp_pad[mask].sum(), [model.model.embed_tokens.weight])[0]
     g_shared = torch.autograd.grad(lp_shared[mask].sum(), [model.model.embed_tokens.weight])[0]
     torch.testing.assert_close(g_shared, g_pad, rtol=1e-4, atol=1e-5)  # fp32 sums in another order: 1.2e-6 seen
@@ -284,8 +262,8 @@ def _common(tiny_path, rows, **extra):
 def test_sft_trainer_packed_losses_equal_padded(tiny_path, row_tokens, checkpointing):
     from verl_core.algorithms.sft import SFTTrainer
 
-    # with gradient checkpointing the pruned last layer is simply not checkpointed (it replaces the
-    # layer's checkpointing forward for the call), so the gradients stay exact
+    # with gradient checkpointing the pruned last layer is not checkpointed (its recompute would run
+    # after the pruning hooks are removed), so the gradients stay exact
     common = _common(tiny_path, arithmetic.sft_rows(32), gradient_checkpointing=checkpointing)
     padded = _losses(SFTTrainer(**common).train())
     trainer = SFTTrainer(**common, packing=True, packing_row_tokens=row_tokens)
@@ -322,11 +300,19 @@ def test_grpo_trainer_shared_prompt_update_equals_padded(tiny_path):
     common = dict(policy=str(tiny_path), prompts=arithmetic.prompt_rows(16), max_steps=2, batch_size=16, num_generations=4,
                   mini_batch_size=8, ppo_epochs=1, max_new_tokens=8, learning_rate=1e-3, kl_coef=0.05, seed=0,
                   logging_steps=1, progress=False, reward_fns=[lambda completions, truths: [len(c) / 10 for c in completions]])
-    runs = [GRPOTrainer(**common, packing=flag) for flag in (False, True)]
+    from verl_core.callbacks import Callback
+
+    class Updates(Callback, list):  # records every optimizer step's metrics
+        def on_update(self, step, metrics):
+            self.append(metrics)
+
+    updates = [Updates(), Updates()]
+    runs = [GRPOTrainer(**common, packing=flag, callbacks=[u]) for flag, u in zip((False, True), updates)]
     for trainer in runs:
         trainer.train()
     keys = ("loss", "policy/approx_kl", "policy/kl_loss")
-    for a, b in zip(runs[0].update_history, runs[1].update_history):
+    assert len(updates[0]) == len(updates[1]) == 4  # 2 rollout steps × 2 mini-batches
+    for a, b in zip(*updates):
         for k in keys:
             assert abs(a[k] - b[k]) < 1e-5, (k, a[k], b[k])
 
@@ -346,16 +332,17 @@ def test_shared_prompts_are_refused_for_flash_attention(tiny_path):
 
 # -- the last decoder layer only where the loss reads ----------------------------------------------
 def _mlp_rows(model):
-    """Rows the last layer's MLP sees in each call (a forward hook)."""
+    """Rows the last layer's MLP computes per call (hooked inside it: the MLP's own hooks are pruning's)."""
     seen = []
-    model.model.layers[-1].mlp.register_forward_hook(lambda _m, inputs, _out: seen.append(inputs[0].shape[0] * inputs[0].shape[1]))
+    model.model.layers[-1].mlp.down_proj.register_forward_hook(lambda _m, inputs, _out: seen.append(inputs[0][..., 0].numel()))
     return seen
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_pruned_last_layer_gives_the_full_layers_logprobs_and_gradients(tiny_path, tok, pair_examples, impl):
     model = _model(tiny_path, impl).train()
-    assert packing.can_prune_last_layer(model)
+    assert forward.can_prune_last_layer(model)
+    layer, layer_forward = model.model.layers[-1], type(model.model.layers[-1]).forward
     seen = _mlp_rows(model)
     results = []
     for prune in (False, True):
@@ -363,37 +350,43 @@ def test_pruned_last_layer_gives_the_full_layers_logprobs_and_gradients(tiny_pat
         lp = sequence_logps(model_token_logprobs(model, batch), batch["loss_mask"])
         grads = torch.autograd.grad(lp.sum(), [p for p in model.parameters()], allow_unused=True)
         results.append((lp.detach(), grads))
-    full_rows, pruned_rows = seen
-    assert pruned_rows < 0.7 * full_rows  # the prompts' positions (but their last) are skipped
+    assert seen[1] < 0.7 * seen[0]  # the prompts' positions (but their last) are skipped
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     for g_full, g_pruned in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(g_pruned, g_full, rtol=1e-4, atol=1e-5)
-    assert "forward" not in vars(model.model.layers[-1])  # the layer's own forward is back
+    for hooked in (layer.self_attn.o_proj, layer.mlp):  # pruning leaves no hook behind, and patches nothing
+        assert not hooked._forward_pre_hooks and not hooked._forward_hooks
+    assert "forward" not in vars(layer) and type(layer).forward is layer_forward
 
 
-def test_pruned_reward_scores_compute_one_position_per_sequence(tiny_path, tok, pair_examples):
-    model = load_reward_model(tiny_path).eval()
-    seen = _mlp_rows(model)
-    full = packing.packed_pair_rewards(model, packing.collate_packed_pairs(pair_examples, tok.pad_token_id, prune_last_layer=False))
-    pruned = packing.packed_pair_rewards(model, packing.collate_packed_pairs(pair_examples, tok.pad_token_id))
-    torch.testing.assert_close(torch.cat(pruned), torch.cat(full), rtol=1e-5, atol=1e-5)
-    assert seen[1] == 2 * len(pair_examples)  # one row of packed units: chosen's and rejected's last tokens
+@pytest.mark.parametrize("layer", forward.PRUNABLE_LAYERS)
+def test_every_prunable_layer_gives_the_full_layers_logprobs(tok, pair_examples, layer):
+    """Fails when a transformers release changes what a known decoder layer does after o_proj."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-
-def test_pruned_response_logits_equal_unpruned_and_flash_attention_is_not_pruned(tiny_path, tok):
-    from verl_core.logprobs import selected_logprobs
-    from verl_core.rollout import HFRolloutBackend, SamplingParams
-
-    model = _model(tiny_path)
-    prompts = [e["prompt_ids"] for e in tokenize_prompts(arithmetic.prompt_rows(3), tok, 64)]
-    rollout = HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id).generate(prompts, SamplingParams(max_new_tokens=8, n=2), seed=0)
-    batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "response_ids": rollout.response_ids,
-             "response_mask": rollout.response_mask}
-    mask = batch["response_mask"].bool()
-    lps = [selected_logprobs(packing.packed_response_logits(model, batch, tok.pad_token_id, prune_last_layer=p),
-                             batch["response_ids"])[mask] for p in (False, True)]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        layer.removesuffix("DecoderLayer").lower(), vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)).eval()
+    assert type(model.model.layers[-1]).__name__ == layer and forward.can_prune_last_layer(model)
+    seen, lps = _mlp_rows(model), []
+    for prune in (False, True):
+        batch = packing.collate_packed_pairs(pair_examples, tok.pad_token_id, prune_last_layer=prune)
+        with torch.no_grad():
+            lps.append(model_token_logprobs(model, batch)[batch["loss_mask"].bool()])
     torch.testing.assert_close(lps[1], lps[0], rtol=1e-5, atol=1e-5)
-    model.config._attn_implementation = "flash_attention_2"
-    assert not packing.can_prune_last_layer(model)
-    with packing.last_layer_only_at(model, torch.ones(1, 4, dtype=torch.bool)) as pruned:
-        assert not pruned
+    assert seen[1] < 0.7 * seen[0]
+
+
+def test_pruning_is_skipped_with_one_log_line_per_reason(tiny_path, monkeypatch, caplog):
+    model, keep = _model(tiny_path), torch.ones(1, 4, dtype=torch.bool)
+    monkeypatch.setattr(forward, "_logged_reasons", set())
+    for name, value in (("PRUNABLE_LAYERS", ()), ("TESTED_TRANSFORMERS_MAJOR", (0, 0))):
+        with monkeypatch.context() as patch, caplog.at_level("INFO", logger="verl_core"):
+            patch.setattr(forward, name, value)
+            assert not forward.can_prune_last_layer(model)
+            for _ in range(2):
+                with forward.last_layer_only_at(model, keep) as pruned:
+                    assert not pruned
+    logged = [r.getMessage() for r in caplog.records if "pruning skipped" in r.getMessage()]
+    assert len(logged) == 2 and "LlamaDecoderLayer" in logged[0] and "transformers" in logged[1], logged

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 
 
@@ -62,6 +63,18 @@ def test_seed_example_runs_verbatim(sft_path, tiny_path):
         assert key in result.metrics, key
 
 
+class _Updates(Callback):
+    """Records every optimizer step's metrics (the engine's per-update hook)."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+        self.metrics: list[dict[str, float]] = []
+
+    def on_update(self, step: int, metrics: dict[str, float]) -> None:
+        self.steps.append(step)
+        self.metrics.append(metrics)
+
+
 def _ppo(path, **overrides):
     from verl_core.algorithms.ppo import PPOTrainer
     from verl_core.policies import LLMPolicy
@@ -73,15 +86,15 @@ def _ppo(path, **overrides):
 
 
 def test_first_update_sees_zero_kl_unit_ratio_and_no_clipping(sft_path):
-    trainer = _ppo(sft_path, gradient_accumulation_steps=2)
-    result = trainer.train()
-    first = trainer.update_history[0]  # metrics of the first optimizer step, computed before it stepped
+    updates = _Updates()
+    result = _ppo(sft_path, gradient_accumulation_steps=2, callbacks=[updates]).train()
+    first = updates.metrics[0]  # metrics of the first optimizer step, computed before it stepped
     assert abs(result.history["kl"][0][1]) < 1e-6  # policy == reference at step 0
     assert first["policy/ratio_dev_max"] < 1e-5
     assert first["policy/clip_fraction"] == 0.0
     assert first["policy/approx_kl"] < 1e-10
-    assert len(trainer.update_history) == 4  # 2 epochs × 2 mini-batches
-    assert trainer.update_history[-1]["policy/ratio_dev_max"] > first["policy/ratio_dev_max"]  # later ones are off-policy
+    assert updates.steps == [1, 2, 3, 4]  # 2 epochs × 2 mini-batches
+    assert updates.metrics[-1]["policy/ratio_dev_max"] > first["policy/ratio_dev_max"]  # later ones are off-policy
 
 
 def test_seeded_runs_give_identical_rewards_and_losses(sft_path):
@@ -107,8 +120,6 @@ def test_adaptive_kl_coefficient_moves_toward_the_target(sft_path):
 
 
 def test_a_resumed_run_continues_exactly(sft_path, tmp_path):
-    from verl_core.callbacks import Callback
-
     class CrashAfterStep2(Callback):
         def on_step_end(self, step: int) -> None:
             if step == 2:
@@ -119,6 +130,8 @@ def test_a_resumed_run_continues_exactly(sft_path, tmp_path):
     crashed = _ppo(sft_path, output_dir=str(tmp_path), callbacks=[CrashAfterStep2()], **settings)
     with pytest.raises(KeyboardInterrupt):
         crashed.train()
-    resumed = _ppo(sft_path, output_dir=str(tmp_path), **settings).train().history  # from the step-2 checkpoint
+    result = _ppo(sft_path, output_dir=str(tmp_path), **settings).train()  # from the step-2 checkpoint
+    assert result.resumed_from_step == 2 and result.steps == 3  # rollout steps, not optimizer steps
+    resumed = result.history
     for key in ("reward/mean", "loss", "value/loss", "kl_coef"):
         assert resumed[key] == straight[key][2:], key

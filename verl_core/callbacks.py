@@ -9,9 +9,18 @@ log = logging.getLogger("verl_core")
 
 
 class Callback:
-    """Hooks the engine calls; override what you need. All are no-ops here."""
+    """Hooks the engine calls; override what you need. All are no-ops here.
+
+    ``step`` is the loop step (offline: the optimizer step; online: the rollout step) except in
+    :meth:`on_update`. ``on_log`` and ``on_update`` run on the main process only (their metrics are
+    already global); the others run on every process.
+    """
 
     def on_train_begin(self, params: dict[str, Any]) -> None: ...
+
+    def on_update(self, step: int, metrics: dict[str, float]) -> None:
+        """After every optimizer step: ``step`` counts optimizer steps, ``metrics`` are that step's own
+        (not averaged over ``logging_steps``). Online, a rollout step makes several updates; this sees each."""
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None: ...
 

@@ -11,6 +11,7 @@ state, and resume is exact: model, optimizer, scheduler, RNG states and step.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -22,12 +23,14 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from verl_core.callbacks import Callback
+from verl_core.callbacks import Callback, HistoryCallback
 from verl_core.config import StrictConfig
 from verl_core.precision import allow_precision_change, resolve_mixed_precision
 
 log = logging.getLogger("verl_core")
+CHECKPOINTS_DIR = "checkpoints"
 CHECKPOINT_PREFIX = "step-"
+ENGINE_STATE = "engine_state.json"
 
 
 class TrainingError(RuntimeError):
@@ -90,23 +93,35 @@ LossFn = Callable[[torch.nn.Module, Any], LossOutput]
 
 @dataclass
 class TrainResult:
+    """What a run did. ``steps`` and ``resumed_from_step`` count loop steps (optimizer steps
+    offline, rollout steps online); ``resumed_from_step`` is 0 for a fresh run."""
+
     steps: int
     metrics: dict[str, float]
     history: dict[str, list[tuple[int, float]]]
     output_dir: str | None = None
+    resumed_from_step: int = 0
 
 
+StepFn = Callable[[int], dict[str, float]]
+EvalFn = Callable[[], dict[str, float]]
+
+
+@dataclass
 class _Progress:
-    """Step counter registered with accelerate so it is saved and restored with the checkpoint."""
+    """Loop and optimizer-step counters, registered with accelerate so a checkpoint restores them.
+    They differ online (a rollout step is several optimizer steps): the scheduler follows optimizer
+    steps; cadences (logging, eval, save) and resume follow loop steps."""
 
-    def __init__(self):
-        self.step = 0
+    step: int = 0
+    optimizer_steps: int = 0
 
-    def state_dict(self):
-        return {"step": self.step}
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "optimizer_steps": self.optimizer_steps}
 
-    def load_state_dict(self, state):
-        self.step = int(state["step"])
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        # checkpoints from before the two counters had one; offline they are equal
+        self.step, self.optimizer_steps = int(state["step"]), int(state.get("optimizer_steps", state["step"]))
 
 
 def micro_batch_indices(n_rows: int, step: int, batch_size: int, seed: int, rank: int, world: int, accum: int) -> list[list[int]]:
@@ -122,12 +137,15 @@ def micro_batch_indices(n_rows: int, step: int, batch_size: int, seed: int, rank
 
 
 class Engine:
-    """Owns the model's optimisation: accelerate, optimizer, schedule, checkpoints, metrics."""
+    """Owns the optimisation and the one training loop (:meth:`run`). ``total_steps`` counts loop
+    steps; each makes ``updates_per_step`` optimizer steps (1 offline, ``ppo_epochs × mini-batches``
+    online), and the learning-rate schedule spans all of those."""
 
     def __init__(self, model: torch.nn.Module, config: TrainConfig, callbacks: Sequence[Callback] = (),
-                 total_steps: int | None = None):
+                 total_steps: int | None = None, updates_per_step: int = 1):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
+        from transformers import get_scheduler
 
         self.config = config
         self.callbacks = list(callbacks)
@@ -146,33 +164,36 @@ class Engine:
         optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=config.adam_betas, weight_decay=config.weight_decay)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         self.total_steps = total_steps or config.max_steps or 1
-        self.scheduler = self._scheduler()
+        self.total_optimizer_steps = self.total_steps * updates_per_step
+        name = config.lr_scheduler if config.lr_scheduler != "constant" else "constant_with_warmup"
+        self.scheduler = get_scheduler(name, self.optimizer, num_warmup_steps=config.warmup_steps,
+                                       num_training_steps=self.total_optimizer_steps)
         self.progress = _Progress()
         self.accelerator.register_for_checkpointing(self.scheduler, self.progress)
         self.params = params
-
-    # -- schedule ---------------------------------------------------------------------------
-    def _scheduler(self):
-        from transformers import get_scheduler
-
-        return get_scheduler(self.config.lr_scheduler if self.config.lr_scheduler != "constant" else "constant_with_warmup",
-                             self.optimizer, num_warmup_steps=self.config.warmup_steps, num_training_steps=self.total_steps)
+        self.resumed_from_step = 0
 
     @property
     def step(self) -> int:
+        """Loop steps completed."""
         return self.progress.step
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps completed (equals :attr:`step` offline)."""
+        return self.progress.optimizer_steps
 
     @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
     @property
-    def unwrapped(self):
+    def unwrapped(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.model)
 
     # -- one optimizer step -----------------------------------------------------------------
     def optimizer_step(self, micro_batches: Sequence[Any], loss_fn: LossFn) -> dict[str, float]:
-        """Accumulate gradients over ``micro_batches`` (this process's share), then step once."""
+        """Accumulate gradients over ``micro_batches`` (this process's share), step once, report to ``on_update``."""
         acc = self.accelerator
         self.model.train()
         total_count = torch.zeros((), dtype=torch.float64)
@@ -180,7 +201,7 @@ class Engine:
         loss_sum = 0.0
         for i, mb in enumerate(micro_batches):
             sync = i == len(micro_batches) - 1
-            ctx = acc.no_sync(self.model) if not sync and acc.num_processes > 1 else _null()
+            ctx = acc.no_sync(self.model) if not sync and acc.num_processes > 1 else contextlib.nullcontext()
             with ctx:
                 out = loss_fn(self.model, _to_device(mb, acc.device))
                 if not torch.isfinite(out.loss_sum.detach()):
@@ -208,51 +229,60 @@ class Engine:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.progress.step += 1
+        self.progress.optimizer_steps += 1
         metrics = {"loss": stats[1].item() / global_count, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm}
         metrics.update({k: stats[2 + j].item() / global_count for j, k in enumerate(sorted(weighted))})
+        if self.is_main:  # the metrics are already global (reduced above), so one process reports them
+            for cb in self.callbacks:
+                cb.on_update(self.optimizer_steps, metrics)
         return metrics
 
-    # -- the offline loop -------------------------------------------------------------------
-    def fit(self, examples: Sequence[Any], collate: Callable[[list], Any], loss_fn: LossFn,
-            eval_fn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
-            params: dict[str, Any] | None = None) -> TrainResult:
-        """Train on ``examples`` (a list of tokenized rows) for the configured steps/epochs."""
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self, step_fn: StepFn, eval_fn: EvalFn | None = None, params: dict[str, Any] | None = None,
+            desc: str = "train", progress_key: str = "loss") -> TrainResult:
+        """Call ``step_fn(step)`` (one loop step's optimizer steps; returns its metrics) for each loop
+        step from the resumed one to ``total_steps - 1``. The loop owns resume, the progress bar, metric
+        means over ``logging_steps``, ``eval_fn()`` every ``eval_steps`` and at the end, checkpoints
+        every ``save_steps`` (all counted in loop steps) and the callbacks."""
         from tqdm.auto import tqdm
 
-        from verl_core.callbacks import HistoryCallback
-
-        cfg, acc = self.config, self.accelerator
-        if len(examples) < cfg.batch_size:
-            raise TrainingError(f"dataset has {len(examples)} rows, fewer than batch_size {cfg.batch_size}")
+        cfg = self.config
         history = HistoryCallback()
         callbacks = self.callbacks + [history]
-        self.maybe_resume()
+        self.resumed_from_step = self.maybe_resume()
         for cb in callbacks:
             cb.on_train_begin({**cfg.model_dump(), **(params or {})})
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), desc="train", dynamic_ncols=True)
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), desc=desc, dynamic_ncols=True)
         last: dict[str, float] = {}
         window: list[dict[str, float]] = []
         status = "FAILED"
         try:
             while self.step < self.total_steps:
-                idx = micro_batch_indices(len(examples), self.step, cfg.batch_size, cfg.seed, acc.process_index, acc.num_processes, cfg.gradient_accumulation_steps)
-                metrics = self.optimizer_step([collate([examples[i] for i in mb]) for mb in idx], loss_fn)
+                metrics = step_fn(self.step)
+                self.progress.step += 1
+                step, final = self.step, self.step == self.total_steps
                 window.append(metrics)
                 bar.update(1)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}")
-                if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
-                    last = {k: sum(m[k] for m in window) / len(window) for k in window[0]}
+                if progress_key in metrics:
+                    bar.set_postfix({progress_key: f"{metrics[progress_key]:.4g}"})
+                logged: dict[str, float] = {}
+                if step % cfg.logging_steps == 0 or final:
+                    logged = _mean(window)
+                    last = dict(logged)
                     window = []
-                    if eval_fn is not None and cfg.eval_steps and self.step % cfg.eval_steps == 0:
-                        last.update(eval_fn(self.unwrapped))
-                    self._log(callbacks, last)
-                if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
+                # the last step's eval is the final eval below: do not run it twice
+                if eval_fn is not None and cfg.eval_steps and step % cfg.eval_steps == 0 and not final:
+                    evaluated = eval_fn()
+                    last.update(evaluated)
+                    logged.update(evaluated)
+                if logged:
+                    self._log(callbacks, logged)
+                if cfg.save_steps and step % cfg.save_steps == 0 and not final:
                     self.save_checkpoint()
                 for cb in callbacks:
-                    cb.on_step_end(self.step)
+                    cb.on_step_end(step)
             if eval_fn is not None:
-                final_eval = eval_fn(self.unwrapped)
+                final_eval = eval_fn()
                 last.update(final_eval)
                 self._log(callbacks, final_eval)
             status = "FINISHED"
@@ -260,9 +290,25 @@ class Engine:
             bar.close()
             for cb in callbacks:
                 cb.on_train_end(status, last)
-        return TrainResult(steps=self.step, metrics=last, history=history.history, output_dir=cfg.output_dir)
+        return TrainResult(steps=self.step, metrics=last, history=history.history, output_dir=cfg.output_dir,
+                           resumed_from_step=self.resumed_from_step)
 
-    def _log(self, callbacks, metrics: dict[str, float]) -> None:
+    def fit(self, examples: Sequence[Any], collate: Callable[[list], Any], loss_fn: LossFn,
+            eval_fn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+            params: dict[str, Any] | None = None) -> TrainResult:
+        """Offline training: each loop step is one optimizer step on the step's global batch of ``examples``."""
+        cfg, acc = self.config, self.accelerator
+        if len(examples) < cfg.batch_size:
+            raise TrainingError(f"dataset has {len(examples)} rows, fewer than batch_size {cfg.batch_size}")
+
+        def step_fn(step: int) -> dict[str, float]:
+            idx = micro_batch_indices(len(examples), step, cfg.batch_size, cfg.seed, acc.process_index, acc.num_processes,
+                                      cfg.gradient_accumulation_steps)
+            return self.optimizer_step([collate([examples[i] for i in mb]) for mb in idx], loss_fn)
+
+        return self.run(step_fn, eval_fn=(lambda: eval_fn(self.unwrapped)) if eval_fn is not None else None, params=params)
+
+    def _log(self, callbacks: Sequence[Callback], metrics: dict[str, float]) -> None:
         if self.is_main:
             for cb in callbacks:
                 cb.on_log(self.step, metrics)
@@ -270,10 +316,10 @@ class Engine:
     # -- checkpoints ------------------------------------------------------------------------
     @property
     def checkpoint_root(self) -> Path | None:
-        return Path(self.config.output_dir) / "checkpoints" if self.config.output_dir else None
+        return Path(self.config.output_dir) / CHECKPOINTS_DIR if self.config.output_dir else None
 
     def save_checkpoint(self) -> Path | None:
-        """Write ``checkpoints/step-N`` atomically: a temporary folder renamed when complete."""
+        """Write ``checkpoints/step-N`` (N = loop step) atomically: a temporary folder renamed when complete."""
         root = self.checkpoint_root
         if root is None:
             return None
@@ -287,7 +333,9 @@ class Engine:
         acc.save_state(str(tmp), safe_serialization=True)
         acc.wait_for_everyone()
         if self.is_main:
-            (tmp / "engine_state.json").write_text(json.dumps({"step": self.step, "total_steps": self.total_steps}))
+            state = {"step": self.step, "total_steps": self.total_steps, "optimizer_steps": self.optimizer_steps,
+                     "total_optimizer_steps": self.total_optimizer_steps}
+            (tmp / ENGINE_STATE).write_text(json.dumps(state))
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             for old in sorted(root.glob(f"{CHECKPOINT_PREFIX}*"))[: -self.config.save_total_limit]:
@@ -297,29 +345,39 @@ class Engine:
             cb.on_checkpoint(self.step, str(final))
         return final
 
-    def latest_checkpoint(self) -> Path | None:
-        root = self.checkpoint_root
-        if root is None or not root.is_dir():
-            return None
-        done = sorted(p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if (p / "engine_state.json").is_file())
-        return done[-1] if done else None
-
     def maybe_resume(self) -> int:
-        """Restore the latest complete checkpoint (when ``resume``); returns the step reached."""
-        ckpt = self.latest_checkpoint() if self.config.resume else None
+        """Restore the latest complete checkpoint (when ``resume``); returns the loop step reached."""
+        ckpt = latest_checkpoint(self.config.output_dir) if self.config.resume and self.config.output_dir else None
         if ckpt is None:
             return 0
-        state = json.loads((ckpt / "engine_state.json").read_text())
-        if state["total_steps"] != self.total_steps:
-            raise TrainingError(f"checkpoint {ckpt} was made for {state['total_steps']} total steps, this run has {self.total_steps}; "
-                                "use a new output_dir or set resume=False")
+        state = json.loads((ckpt / ENGINE_STATE).read_text())
+        made_for = (state["total_steps"], state.get("total_optimizer_steps", self.total_optimizer_steps))
+        if made_for != (self.total_steps, self.total_optimizer_steps):
+            raise TrainingError(f"checkpoint {ckpt} was made for {made_for[0]} steps ({made_for[1]} optimizer steps), this run "
+                                f"has {self.total_steps} ({self.total_optimizer_steps}); use a new output_dir or set resume=False")
         self.accelerator.load_state(str(ckpt))
         log.info("resumed from %s at step %d", ckpt, self.step)
         return self.step
 
-    def clear_checkpoints(self) -> None:
-        if self.checkpoint_root is not None and self.is_main:
-            shutil.rmtree(self.checkpoint_root, ignore_errors=True)
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``output_dir/checkpoints`` (one with its engine state), or None."""
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if (p / ENGINE_STATE).is_file())
+    return done[-1] if done else None
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The loop step a checkpoint folder was written at."""
+    return int(json.loads((Path(path) / ENGINE_STATE).read_text())["step"])
+
+
+def _mean(window: list[dict[str, float]]) -> dict[str, float]:
+    """Per-key mean over the steps of a logging window (a key may be missing from some steps)."""
+    keys = dict.fromkeys(k for m in window for k in m)
+    return {k: sum(vals) / len(vals) for k in keys for vals in [[m[k] for m in window if k in m]]}
 
 
 def steps_for(config: TrainConfig, n_rows: int) -> int:
@@ -338,10 +396,3 @@ def _to_device(batch, device):
         return {k: _to_device(v, device) for k, v in batch.items()}
     return batch
 
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -75,9 +75,8 @@ class OfflineTrainer:
         torch.manual_seed(self.config.seed)
         self.model = self.load_model(self.model_source) if self.model_source else model
         c = self.config
-        if getattr(c, "packing", False) and getattr(c, "share_prompt", False) and not packing.supports_shared_prompt(self.model):
-            raise ConfigError(f"share_prompt=True needs sdpa or eager attention, the model uses "
-                              f"{packing.attn_implementation(self.model)}; set share_prompt=False (packing still works)")
+        if getattr(c, "packing", False) and getattr(c, "share_prompt", False):
+            packing.require_shared_prompt(self.model, "set share_prompt=False (packing still works)")
         self.callbacks = list(callbacks)
         self.engine: Engine | None = None
 

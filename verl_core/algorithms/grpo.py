@@ -20,15 +20,18 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
+from verl_core.algorithms.base import PackingSettings
 from verl_core.algorithms.online import KLKind, OnlineConfig, OnlineTrainer
-from verl_core.config import ConfigError
 from verl_core.losses.advantages import broadcast_to_tokens, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from verl_core.losses.masked import masked_mean
-from verl_core.packing import attn_implementation, packed_response_logits, supports_shared_prompt
+from verl_core.packing import packed_response_logits, require_shared_prompt
 
 
-class GRPOConfig(OnlineConfig):
-    """``GRPOConfig(num_generations=8, batch_size=128)``: 16 prompts × 8 completions per step."""
+class GRPOConfig(OnlineConfig, PackingSettings):
+    """``GRPOConfig(num_generations=8, batch_size=128)``: 16 prompts × 8 completions per step.
+
+    ``packing=True`` is the shared-prompt update: each prompt is computed once for its group's
+    completions and no pad token is computed (needs sdpa or eager attention)."""
 
     batch_size: int = Field(64, ge=1)
     num_generations: int = Field(8, ge=1)
@@ -38,10 +41,6 @@ class GRPOConfig(OnlineConfig):
     kl_estimator: KLKind = "k3"
     kl_in: Literal["reward", "loss"] = "loss"
     gamma: float = Field(1.0, ge=0, le=1, description="reinforce_pp: discount of the return-to-go")
-    packing: bool = Field(False, description="shared-prompt update: each prompt computed once for its group's "
-                                             "completions, no pad token computed (needs sdpa or eager attention)")
-    prune_last_layer: bool = Field(True, description="with packing: the last decoder layer runs only at the positions "
-                                                     "that predict response tokens")
 
     @model_validator(mode="after")
     def _groups(self):
@@ -70,15 +69,15 @@ class GRPOTrainer(OnlineTrainer):
     config: GRPOConfig
 
     def build_module(self, lm):
-        if self.config.packing and not supports_shared_prompt(lm):
-            raise ConfigError(f"packing=True shares each prompt across its group and needs sdpa or eager attention; "
-                              f"the policy uses {attn_implementation(lm)}")
+        if self.config.packing:
+            require_shared_prompt(lm, "set packing=False")
         return lm
 
     def response_logits(self, model, batch):
         if self.config.packing:
-            return packed_response_logits(model, batch, self.policy.tokenizer.pad_token_id,
-                                          prune_last_layer=self.config.prune_last_layer)
+            c = self.config
+            return packed_response_logits(model, batch, self.policy.tokenizer.pad_token_id, c.packing_row_tokens,
+                                          c.prune_last_layer)
         return super().response_logits(model, batch)
 
     def compute_advantages(self, exp, scores):

@@ -13,6 +13,10 @@ One training step (the RLHF loop of Ziegler et al. 2019, arXiv:1909.08593, and O
    clipped surrogate ``ppo_policy_loss`` (+ entropy bonus, + KL when ``kl_in="loss"``, + the
    algorithm's extra loss, e.g. the PPO value loss).
 
+:meth:`OnlineTrainer.train_step` is that step; :meth:`Engine.run` loops over it (resume, logging,
+eval and checkpoint cadences in rollout steps, callbacks). Each update's own metrics reach
+:meth:`Callback.on_update`; the rollout step logs their mean.
+
 Log-probs in training are ``log softmax(z / T)`` at the sampling temperature ``T``, the same
 distribution the rollout sampled from. Old log-probs are recomputed with a training-layout
 forward pass (not taken from the sampler) so that the first mini-batch has ratio 1 up to float
@@ -37,7 +41,7 @@ from pydantic import Field, model_validator
 
 from verl_core import arithmetic
 from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
-from verl_core.callbacks import Callback, HistoryCallback
+from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.data import tokenize_prompts
 from verl_core.engine import Engine, LossOutput, TrainConfig, TrainingError, TrainResult, micro_batch_indices
@@ -141,7 +145,6 @@ class OnlineTrainer:
         self.callbacks = list(callbacks)
         self.backend = rollout_backend
         self.engine: Engine | None = None
-        self.update_history: list[dict[str, float]] = []  # metrics of every optimizer step, in order
 
     # -- what an algorithm provides ----------------------------------------------------------
     def build_module(self, lm: torch.nn.Module) -> torch.nn.Module:
@@ -183,11 +186,16 @@ class OnlineTrainer:
     def mini_batch_size(self) -> int:
         return self.config.mini_batch_size or self.config.batch_size
 
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer steps per rollout step."""
+        return self.config.ppo_epochs * (self.config.batch_size // self.mini_batch_size)
+
     def train(self) -> TrainResult:
+        """Run :meth:`train_step` for ``max_steps`` rollout steps in the engine's loop; save the policy LM."""
         c = self.config
-        updates = c.ppo_epochs * (c.batch_size // self.mini_batch_size)
         allow_precision_change(c.mixed_precision)
-        self.engine = engine = Engine(self.module, c, self.callbacks, total_steps=c.max_steps * updates)
+        self.engine = engine = Engine(self.module, c, self.callbacks, total_steps=c.max_steps, updates_per_step=self.updates_per_step)
         acc = engine.accelerator
         if (c.batch_size // c.num_generations) % acc.num_processes or self.mini_batch_size % (acc.num_processes * c.gradient_accumulation_steps):
             raise TrainingError(f"prompts per step ({c.batch_size // c.num_generations}) must split over {acc.num_processes} processes and "
@@ -201,45 +209,13 @@ class OnlineTrainer:
         if self.backend is None:
             tok = self.policy.tokenizer
             self.backend = HFRolloutBackend(lm, tok.eos_token_id, tok.pad_token_id, AUTOCAST_DTYPES.get(c.mixed_precision))
-        start = engine.maybe_resume() // updates
-        history = HistoryCallback()
-        callbacks = self.callbacks + [history]
-        for cb in callbacks:
-            cb.on_train_begin({**c.model_dump(), "algorithm": type(self).__name__})
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=c.max_steps, initial=start, disable=not (c.progress and engine.is_main), desc=type(self).__name__, dynamic_ncols=True)
-        status, metrics = "FAILED", {}
-        try:
-            for step in range(start, c.max_steps):
-                metrics = self.train_step(step)
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-                if c.eval_steps and self.eval_prompts is not None and (step + 1) % c.eval_steps == 0:
-                    metrics.update(self.evaluate())
-                if engine.is_main and ((step + 1) % c.logging_steps == 0 or step + 1 == c.max_steps):
-                    for cb in callbacks:
-                        cb.on_log(step + 1, metrics)
-                if c.save_steps and (step + 1) % c.save_steps == 0 and step + 1 < c.max_steps:
-                    engine.save_checkpoint()
-                for cb in callbacks:
-                    cb.on_step_end(step + 1)
-            if self.eval_prompts is not None:
-                final = self.evaluate()
-                metrics.update(final)
-                if engine.is_main:
-                    for cb in callbacks:
-                        cb.on_log(c.max_steps, final)
-            status = "FINISHED"
-        finally:
-            bar.close()
-            for cb in callbacks:
-                cb.on_train_end(status, metrics)
-        out_dir = None
+        result = engine.run(self.train_step, eval_fn=self.evaluate if self.eval_prompts is not None else None,
+                            params={"algorithm": type(self).__name__}, desc=type(self).__name__, progress_key="reward/mean")
+        result.output_dir = None
         if c.output_dir and engine.is_main:
-            out_dir = str(save_pretrained_atomic(lm, self.policy.tokenizer, Path(c.output_dir) / FINAL_MODEL_DIR))
+            result.output_dir = str(save_pretrained_atomic(lm, self.policy.tokenizer, Path(c.output_dir) / FINAL_MODEL_DIR))
         acc.wait_for_everyone()
-        return TrainResult(steps=c.max_steps, metrics=metrics, history=history.history, output_dir=out_dir)
+        return result
 
     def evaluate(self) -> dict[str, float]:
         from verl_core.evaluation import answer_accuracy
@@ -302,7 +278,7 @@ class OnlineTrainer:
         exp = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "position_ids": rollout.position_ids,
                "response_ids": rollout.response_ids, "response_mask": rollout.response_mask}
         exp = {k: v.to(acc.device) for k, v in exp.items()}
-        off_policy = c.ppo_epochs * (c.batch_size // self.mini_batch_size) > 1
+        off_policy = self.updates_per_step > 1
         need_old = off_policy or self.needs_values or (self.reference is not None and c.kl_in == "reward")
         chunk = max(1, self.mini_batch_size // (acc.num_processes * c.gradient_accumulation_steps))
         old, values, ref = [], [], []
@@ -335,6 +311,7 @@ class OnlineTrainer:
         return {"kl": exp["kl"].sum(-1).mean().item(), "kl/token_mean": masked_mean(exp["kl"], mask).item()}
 
     def update(self, exp: dict[str, torch.Tensor], step: int) -> list[dict[str, float]]:
+        """``ppo_epochs`` seeded passes over shuffled mini-batches; the metrics of each optimizer step."""
         c, acc = self.config, self.engine.accelerator
         n = exp["input_ids"].shape[0]
         local = self.mini_batch_size // acc.num_processes
@@ -345,9 +322,7 @@ class OnlineTrainer:
             for k in range(n // local):
                 rows = order[k * local:(k + 1) * local]
                 micro = [{key: v[i] for key, v in exp.items()} for i in rows.chunk(c.gradient_accumulation_steps)]
-                metrics = self.engine.optimizer_step(micro, self.loss)
-                self.update_history.append(metrics)
-                out.append(metrics)
+                out.append(self.engine.optimizer_step(micro, self.loss))
         return out
 
     def loss(self, model, mb: dict[str, torch.Tensor]) -> LossOutput:

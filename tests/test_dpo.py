@@ -52,7 +52,8 @@ def test_dpo_sigmoid_loss_is_ln2_at_step0_and_step0_values_of_other_losses(tiny_
 
 def test_precomputed_reference_gives_the_same_losses_as_on_the_fly(tiny_path, pairs):
     common = dict(train_dataset=pairs, eval_dataset=pairs[:8], max_steps=3, batch_size=8, learning_rate=1e-3, **QUIET)
-    live = DPOTrainer(str(tiny_path), **common)
+    live = DPOTrainer(str(tiny_path), precompute_ref_logps=False, **common)
+    assert live.ref_model is not None
     live_result = live.train()
     pre = DPOTrainer(str(tiny_path), precompute_ref_logps=True, **common)
     assert pre.ref_model is None  # the untouched starting policy is the reference: no copy is made

@@ -265,8 +265,8 @@ def test_sft_trainer_packed_losses_equal_padded(tiny_path, row_tokens, checkpoin
     # with gradient checkpointing the pruned last layer is not checkpointed (its recompute would run
     # after the pruning hooks are removed), so the gradients stay exact
     common = _common(tiny_path, arithmetic.sft_rows(32), gradient_checkpointing=checkpointing)
-    padded = _losses(SFTTrainer(**common).train())
-    trainer = SFTTrainer(**common, packing=True, packing_row_tokens=row_tokens)
+    padded = _losses(SFTTrainer(**common, packing=False).train())
+    trainer = SFTTrainer(**common, packing_row_tokens=row_tokens)  # packing is the default
     assert packing.is_packed(trainer.collate(trainer.train_examples[:8]))
     packed = _losses(trainer.train())
     assert max(abs(a - b) for a, b in zip(padded, packed)) < 1e-5, (padded, packed)
@@ -276,8 +276,8 @@ def test_dpo_trainer_packed_with_precomputed_reference_equals_padded_on_the_fly(
     from verl_core.algorithms.dpo import DPOTrainer
 
     common = _common(tiny_path, arithmetic.preference_rows(arithmetic.train_problems(32)))
-    padded = _losses(DPOTrainer(**common).train())
-    packed = _losses(DPOTrainer(**common, packing=True, precompute_ref_logps=True).train())
+    padded = _losses(DPOTrainer(**common, packing=False, precompute_ref_logps=False).train())
+    packed = _losses(DPOTrainer(**common, precompute_ref_logps=True).train())
     assert max(abs(a - b) for a, b in zip(padded, packed)) < 1e-5, (padded, packed)
 
 
@@ -289,8 +289,8 @@ def test_reward_and_kto_trainers_packed_equal_padded(tiny_path, share_prompt):
     pairs = arithmetic.preference_rows(arithmetic.train_problems(32))
     for cls in (RewardTrainer, KTOTrainer):
         common = _common(tiny_path, pairs)
-        padded = _losses(cls(**common).train())
-        packed = _losses(cls(**common, packing=True, share_prompt=share_prompt).train())
+        padded = _losses(cls(**common, packing=False).train())
+        packed = _losses(cls(**common, share_prompt=share_prompt).train())
         assert max(abs(a - b) for a, b in zip(padded, packed)) < 1e-5, (cls.__name__, padded, packed)
 
 
@@ -317,17 +317,15 @@ def test_grpo_trainer_shared_prompt_update_equals_padded(tiny_path):
             assert abs(a[k] - b[k]) < 1e-5, (k, a[k], b[k])
 
 
-def test_shared_prompts_are_refused_for_flash_attention(tiny_path):
+def test_flash_attention_falls_back_to_packing_without_shared_prompts(tiny_path):
     from verl_core.algorithms.dpo import DPOTrainer
-    from verl_core.config import ConfigError
 
     model = load_causal_lm(tiny_path)
     model.config._attn_implementation = "flash_attention_2"
-    common = dict(model=model, tokenizer=load_tokenizer(tiny_path),
-                  train_dataset=arithmetic.preference_rows(arithmetic.train_problems(4)), packing=True)
-    with pytest.raises(ConfigError, match="share_prompt=False"):
-        DPOTrainer(**common)
-    assert DPOTrainer(**common, share_prompt=False).config.packing
+    trainer = DPOTrainer(model=model, tokenizer=load_tokenizer(tiny_path),
+                         train_dataset=arithmetic.preference_rows(arithmetic.train_problems(4)))
+    assert trainer.config.packing and not trainer.config.share_prompt
+    assert "flash_attention_2" in trainer.speed_features["fallbacks"]["share_prompt"]
 
 
 # -- the last decoder layer only where the loss reads ----------------------------------------------

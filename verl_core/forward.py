@@ -70,6 +70,11 @@ def can_prune_last_layer(model: torch.nn.Module) -> bool:
     return _last_decoder_layer(model)[0] is not None
 
 
+def prune_skip_reason(model: torch.nn.Module) -> str | None:
+    """Why :func:`last_layer_only_at` runs this model's last layer in full, or None when it prunes it."""
+    return _last_decoder_layer(model)[1]
+
+
 def _gather_scatter_hooks(module: torch.nn.Module, keep: torch.Tensor) -> list:
     """Hooks making ``module`` ([R, C, D] -> [R, C, H]) run on the kept positions only, as one
     ``[1, K, D]`` batch, and return zeros at the others."""

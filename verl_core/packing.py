@@ -197,14 +197,15 @@ def supports_shared_prompt(model: torch.nn.Module) -> bool:
     return impl == "eager" or impl.startswith("sdpa")
 
 
-def require_shared_prompt(model: torch.nn.Module, fix: str) -> None:
-    """Raise :class:`~verl_core.config.ConfigError` when ``model`` cannot share a prompt across
-    completions (see :func:`supports_shared_prompt`); ``fix`` tells the user what to change."""
-    if not supports_shared_prompt(model):
-        from verl_core.config import ConfigError
-
-        raise ConfigError(f"sharing a prompt across completions needs sdpa or eager attention, the model uses "
-                          f"{attn_implementation(model)}; {fix}")
+def packing_unsupported(model: torch.nn.Module, needs_score_head: bool = False) -> str | None:
+    """Why packed batches cannot run through ``model`` (None when they can): its attention takes no
+    packed mask, or (``needs_score_head``: a reward model) it has no per-token ``score`` head to read."""
+    impl = attn_implementation(model)
+    if not (impl == "eager" or impl.startswith(("sdpa", "flash"))):
+        return f"the {impl!r} attention implementation takes no packed mask"
+    if needs_score_head and not any(n.rsplit(".", 1)[-1] == "score" for n, _ in model.named_modules()):
+        return "the sequence classifier has no per-token 'score' head to read"
+    return None
 
 
 def packed_attention_mask(batch: dict[str, torch.Tensor], additive_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -3,6 +3,7 @@ engine run, and an atomic save of the final model. An algorithm overrides four s
 methods: ``load_model``, ``tokenize``, ``collate`` and ``loss``."""
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Sequence
@@ -10,13 +11,14 @@ from typing import Annotated, Any, ClassVar, Literal, Sequence
 import torch
 from pydantic import Field
 
-from verl_core import packing
+from verl_core.algorithms.speed import describe, resolve_speed
 from verl_core.callbacks import Callback
 from verl_core.config import ConfigError, StrictConfig
-from verl_core.engine import Engine, LossOutput, TrainConfig, TrainResult, steps_for
+from verl_core.engine import Engine, LossOutput, TrainConfig, TrainingError, TrainResult, steps_for
 from verl_core.models import load_causal_lm, load_tokenizer, save_pretrained_atomic
 
 FINAL_MODEL_DIR = "model"
+log = logging.getLogger("verl_core")
 
 
 class PackingSettings(StrictConfig):
@@ -24,20 +26,21 @@ class PackingSettings(StrictConfig):
     position ids and a block-diagonal causal mask, so no pad token is computed. Losses equal
     the padded layout's (tests/test_packing.py)."""
 
-    packing: bool = Field(False, description="padding-free packed batches instead of padded ones")
+    packing: bool = Field(True, description="padding-free packed batches (the default fast path); False: padded rows. "
+                                            "A model whose attention takes no packed mask falls back to padded rows")
     packing_row_tokens: Annotated[int, Field(ge=1)] | Literal["longest"] | None = Field(
         "longest", description="tokens per packed row: 'longest' = the batch's longest sequence (no row attends over "
                                "more than padding would), a number, or null for one row")
-    prune_last_layer: bool = Field(True, description="with packing: the last decoder layer computes its attention output "
-                                                     "and MLP only where the loss reads a logit or score (Llama, Mistral, "
-                                                     "Qwen2 layers; other models run it in full)")
+    prune_last_layer: bool = Field(True, description="with packing: the last decoder layer runs o_proj and its MLP only "
+                                                     "where the loss reads a logit or score (verl_core.forward.PRUNABLE_LAYERS; "
+                                                     "other models run it in full)")
 
 
 class PairPackingSettings(PackingSettings):
     """:class:`PackingSettings` for batches of two completions per prompt (pairs, KTO's KL rows)."""
 
     share_prompt: bool = Field(True, description="with packing: each prompt computed once, both completions branch "
-                                                 "from it (prefix sharing; needs sdpa or eager attention)")
+                                                 "from it (prefix sharing; sdpa or eager attention, else it falls back)")
 
 
 def resolve_config(config_cls: type[TrainConfig], config: TrainConfig | dict | None, overrides: dict[str, Any]) -> TrainConfig:
@@ -57,6 +60,7 @@ class OfflineTrainer:
     """Trains on a fixed dataset with the shared :class:`Engine`."""
 
     config_cls: ClassVar[type[TrainConfig]] = TrainConfig
+    needs_score_head: ClassVar[bool] = False  # a reward model: packing reads its per-token score head
 
     def __init__(self, model: Any, tokenizer: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
                  config: TrainConfig | dict | None = None, callbacks: Sequence[Callback] = (), **overrides: Any):
@@ -72,13 +76,28 @@ class OfflineTrainer:
         # Validate and tokenize before any model is built, so bad data fails fast.
         self.train_examples = self.tokenize(train_dataset)
         self.eval_examples = self.tokenize(eval_dataset) if eval_dataset is not None else None
+        self._fit_batch_to_data()
         torch.manual_seed(self.config.seed)
         self.model = self.load_model(self.model_source) if self.model_source else model
-        c = self.config
-        if getattr(c, "packing", False) and getattr(c, "share_prompt", False):
-            packing.require_shared_prompt(self.model, "set share_prompt=False (packing still works)")
+        self.config, self.speed_features = resolve_speed(self.model, self.config, type(self).__name__, self.needs_score_head)
         self.callbacks = list(callbacks)
         self.engine: Engine | None = None
+
+    def _fit_batch_to_data(self) -> None:
+        """Fewer rows than ``batch_size``: train on batches of what there is (a warning, not an error)."""
+        c, n = self.config, len(self.train_examples)
+        if n >= c.batch_size:
+            return
+        from accelerate import PartialState
+
+        world = PartialState().num_processes
+        accum = c.gradient_accumulation_steps if n >= world * c.gradient_accumulation_steps else 1
+        size = n - n % (world * accum)
+        if size == 0:
+            raise TrainingError(f"the dataset has {n} rows, too few to give each of {world} processes one")
+        log.warning("%s: the dataset has %d rows, fewer than batch_size %d; training on batches of %d",
+                    type(self).__name__, n, c.batch_size, size)
+        self.config = c.model_copy(update={"batch_size": size, "gradient_accumulation_steps": accum})
 
     # -- what an algorithm provides --------------------------------------------------------
     def load_model(self, path: str):
@@ -122,9 +141,12 @@ class OfflineTrainer:
         total = steps_for(self.config, len(self.train_examples))
         self.engine = Engine(self.model, self.config, self.callbacks, total_steps=total)
         self.before_training(self.engine)
+        if self.engine.is_main:
+            log.info("%s: %s", type(self).__name__, describe(self.speed_features))
+        speed = {f"speed/{k}": v for k, v in self.speed_features.items() if k != "fallbacks"}
         result = self.engine.fit(self.train_examples, self.collate, self.loss,
                                  eval_fn=self.evaluate if self.eval_examples else None,
-                                 params={"algorithm": type(self).__name__})
+                                 params={"algorithm": type(self).__name__, **speed})
         if self.config.output_dir and self.engine.is_main:
             final = save_pretrained_atomic(self.engine.unwrapped, self.tokenizer, Path(self.config.output_dir) / FINAL_MODEL_DIR)
             result.output_dir = str(final)

@@ -24,14 +24,16 @@ from verl_core.algorithms.base import PackingSettings
 from verl_core.algorithms.online import KLKind, OnlineConfig, OnlineTrainer
 from verl_core.losses.advantages import broadcast_to_tokens, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from verl_core.losses.masked import masked_mean
-from verl_core.packing import packed_response_logits, require_shared_prompt
+from verl_core.forward import attn_implementation
+from verl_core.packing import packed_response_logits, supports_shared_prompt
 
 
 class GRPOConfig(OnlineConfig, PackingSettings):
     """``GRPOConfig(num_generations=8, batch_size=128)``: 16 prompts × 8 completions per step.
 
-    ``packing=True`` is the shared-prompt update: each prompt is computed once for its group's
-    completions and no pad token is computed (needs sdpa or eager attention)."""
+    ``packing`` (on by default) is the shared-prompt update: each prompt is computed once for its
+    group's completions and no pad token is computed (sdpa or eager attention; other attention
+    implementations fall back to padded rows with one log line)."""
 
     batch_size: int = Field(64, ge=1)
     num_generations: int = Field(8, ge=1)
@@ -68,10 +70,10 @@ class GRPOTrainer(OnlineTrainer):
     config_cls = GRPOConfig
     config: GRPOConfig
 
-    def build_module(self, lm):
-        if self.config.packing:
-            require_shared_prompt(lm, "set packing=False")
-        return lm
+    def packing_unsupported(self, lm):
+        if not supports_shared_prompt(lm):
+            return f"the shared-prompt update needs sdpa or eager attention, the policy uses {attn_implementation(lm)}"
+        return None
 
     def response_logits(self, model, batch):
         if self.config.packing:

@@ -31,6 +31,7 @@ several processes each process samples, scores and whitens its own share of the 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ from pydantic import Field, model_validator
 
 from verl_core import arithmetic
 from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
+from verl_core.algorithms.speed import describe, resolve_speed
 from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.data import tokenize_prompts
@@ -54,6 +56,7 @@ from verl_core.precision import AUTOCAST_DTYPES, allow_precision_change
 from verl_core.rewards.model import RewardModel, RewardSource, RewardSourceConfig, UserRewards
 from verl_core.rollout import HFRolloutBackend, RolloutBackend, RolloutBatch, SamplingParams, decode_responses
 
+log = logging.getLogger("verl_core")
 KLKind = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"]
 
 
@@ -137,6 +140,8 @@ class OnlineTrainer:
         self.sampling = SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
                                        top_k=c.top_k, n=c.num_generations, batch_size=c.generation_batch_size)
         torch.manual_seed(c.seed)
+        self.config, self.speed_features = resolve_speed(self.policy.model, c, type(self).__name__,
+                                                         unsupported=self.packing_unsupported(self.policy.model))
         self.module = self.build_module(self.policy.model)
         uses_ref = c.kl_coef > 0 or c.adaptive_kl
         self.reference = copy.deepcopy(self.policy.model).eval().requires_grad_(False) if uses_ref else None
@@ -147,6 +152,10 @@ class OnlineTrainer:
         self.engine: Engine | None = None
 
     # -- what an algorithm provides ----------------------------------------------------------
+    def packing_unsupported(self, lm: torch.nn.Module) -> str | None:
+        """Why this trainer cannot update ``lm`` on packed batches (None: it can, or has no packed path)."""
+        return None
+
     def build_module(self, lm: torch.nn.Module) -> torch.nn.Module:
         """The module the engine optimises (default: the policy LM itself)."""
         return lm
@@ -209,8 +218,12 @@ class OnlineTrainer:
         if self.backend is None:
             tok = self.policy.tokenizer
             self.backend = HFRolloutBackend(lm, tok.eos_token_id, tok.pad_token_id, AUTOCAST_DTYPES.get(c.mixed_precision))
+        if engine.is_main:
+            log.info("%s: %s", type(self).__name__, describe(self.speed_features))
+        speed = {f"speed/{k}": v for k, v in self.speed_features.items() if k != "fallbacks"}
         result = engine.run(self.train_step, eval_fn=self.evaluate if self.eval_prompts is not None else None,
-                            params={"algorithm": type(self).__name__}, desc=type(self).__name__, progress_key="reward/mean")
+                            params={"algorithm": type(self).__name__, **speed}, desc=type(self).__name__,
+                            progress_key="reward/mean")
         result.output_dir = None
         if c.output_dir and engine.is_main:
             result.output_dir = str(save_pretrained_atomic(lm, self.policy.tokenizer, Path(c.output_dir) / FINAL_MODEL_DIR))

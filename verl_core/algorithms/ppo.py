@@ -73,6 +73,9 @@ class PPOTrainer(OnlineTrainer):
     config: PPOConfig
     needs_values = True
 
+    def packing_unsupported(self, lm: torch.nn.Module) -> str | None:
+        return "PPO's value head reads the padded layout (no packed path yet)"
+
     def build_module(self, lm: torch.nn.Module) -> torch.nn.Module:
         if self.config.gradient_checkpointing and hasattr(lm, "gradient_checkpointing_enable"):
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -4,7 +4,8 @@ Every collated batch these trainers make has ``2B`` rows, a *first* half and a
 *second* half (DPO: chosen | rejected; KTO: target | KL pair), so one forward pass
 scores both. The reference log-prob of each row comes from, in this order:
 
-1. ``batch["ref_logps"]`` when it was precomputed (``precompute_ref_logps=True``):
+1. ``batch["ref_logps"]`` when it was precomputed (``precompute_ref_logps``; "auto", the default,
+   precomputes whenever the run reads every example at least once):
    before the first step, every example gets ``ref_logps = (first, second)``, the
    summed completion log-probs of its two rows under the reference, computed once,
    batched, without gradients; the reference model is then freed (``del`` + ``gc``).
@@ -26,7 +27,7 @@ import contextlib
 import copy
 import gc
 import os
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Literal, Sequence
 
 import torch
 from pydantic import Field
@@ -35,7 +36,7 @@ from verl_core.algorithms.base import OfflineTrainer, PairPackingSettings
 from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.data.formats import LongPromptPolicy
-from verl_core.engine import Engine, TrainConfig
+from verl_core.engine import Engine, TrainConfig, steps_for
 from verl_core.losses.preference import sequence_logps
 from verl_core.models import LoraSettings, is_peft, load_causal_lm
 from verl_core.packing import model_token_logprobs
@@ -52,7 +53,10 @@ class PreferenceConfig(TrainConfig, PairPackingSettings):
     max_length: int = Field(512, ge=2)
     max_prompt_length: int | None = None
     on_long_prompt: LongPromptPolicy = "error"
-    precompute_ref_logps: bool = Field(False, description="score every example under the reference once before training, then free it")
+    precompute_ref_logps: bool | Literal["auto"] = Field(
+        "auto", description="score every example under the reference once before training, then free it. 'auto': "
+                            "when the run reads every example at least once (steps x batch_size >= rows), where it "
+                            "costs no extra forward pass and frees the reference's memory; else on the fly")
     lora: LoraSettings | None = Field(None, description="train LoRA adapters (model given as a path); the reference is the adapter-disabled base")
 
 
@@ -94,11 +98,24 @@ class PreferenceTrainer(OfflineTrainer):
         if self.model_source is None and self.config.lora is not None and not is_peft(self.model):
             raise ConfigError("lora= applies when the model is given as a path; wrap a model object with peft yourself")
         self._precomputing = False
+        self.precompute = self._should_precompute()
+        if self.uses_reference:
+            self.speed_features["precompute_ref_logps"] = self.precompute
         self.ref_model = self._resolve_reference(ref_model)
 
     def train(self):
         allow_precision_change(self.config.mixed_precision)
         return super().train()
+
+    def _should_precompute(self) -> bool:
+        """Resolve ``precompute_ref_logps``. Precomputing costs one reference forward per example up
+        front; scoring on the fly costs one per example *read*. So it pays (and frees the reference's
+        memory) once the run reads at least as many examples as there are; a run over part of a large
+        dataset scores only what it reads."""
+        c = self.config
+        if c.precompute_ref_logps != "auto":
+            return bool(c.precompute_ref_logps)
+        return steps_for(c, len(self.train_examples)) * c.batch_size >= len(self.train_examples)
 
     # -- which reference ---------------------------------------------------------------------
     @property
@@ -119,7 +136,7 @@ class PreferenceTrainer(OfflineTrainer):
             return load_causal_lm(str(ref_model), trainable=False)
         if ref_model is not None:
             return ref_model.eval().requires_grad_(False)
-        if is_peft(self.model) or self.config.precompute_ref_logps:
+        if is_peft(self.model) or self.precompute:
             return None
         if self.model_source is not None:
             return load_causal_lm(self.model_source, trainable=False)
@@ -156,7 +173,7 @@ class PreferenceTrainer(OfflineTrainer):
             return
         if self.ref_model is not None:
             self.ref_model.to(engine.accelerator.device)
-        if self.config.precompute_ref_logps:
+        if self.precompute:
             self.precompute_reference(engine.model, self.train_examples)
             if self.eval_examples:
                 self.precompute_reference(engine.model, self.eval_examples)

@@ -36,6 +36,7 @@ class RewardTrainer(OfflineTrainer):
 
     config_cls = RewardConfig
     config: RewardConfig
+    needs_score_head = True
 
     def load_model(self, path: str):
         return load_reward_model(path, gradient_checkpointing=self.config.gradient_checkpointing)

@@ -1,0 +1,63 @@
+"""The fast path every trainer takes by default, and where it cannot apply, the fallback.
+
+Defaults (each a config switch that turns it off): padding-free packing (``packing``), one copy
+of each prompt for the completions that share it (``share_prompt``), the last decoder layer
+computed only where the loss reads (``prune_last_layer``), log-probs without a full-vocabulary
+fp32 log-softmax (always), and the reference scored once before training where that pays
+(``precompute_ref_logps="auto"``, see :mod:`verl_core.algorithms.preference`). A model the fast
+path does not fit trains on the plain path, with one log line saying what was turned off and why.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from verl_core import packing
+from verl_core.forward import attn_implementation, prune_skip_reason
+
+log = logging.getLogger("verl_core")
+
+
+def resolve_speed(model: torch.nn.Module, config: Any, owner: str, needs_score_head: bool = False,
+                  unsupported: str | None = None) -> tuple[Any, dict[str, Any]]:
+    """``config`` with the features this model cannot use switched off, and the features in use.
+
+    Returns ``(config, speed_features)``: ``speed_features`` maps each feature to whether it is on,
+    plus ``"fallbacks"``: feature -> why it is off although asked for. ``unsupported`` is a reason
+    why the trainer itself has no packed path (packing is then reported off with that reason).
+    """
+    fields = type(config).model_fields
+    changes: dict[str, Any] = {}
+    why: dict[str, str] = {}
+    if "packing" in fields and config.packing:
+        reason = unsupported or packing.packing_unsupported(model, needs_score_head)
+        if reason:
+            changes["packing"], why["packing"] = False, reason
+        elif getattr(config, "share_prompt", False) and not packing.supports_shared_prompt(model):
+            changes["share_prompt"] = False
+            why["share_prompt"] = (f"{attn_implementation(model)} attention takes no mask to share a prompt "
+                                   "between completions (packing stays on)")
+    if changes:
+        config = config.model_copy(update=changes)
+    on = bool(getattr(config, "packing", False))
+    features: dict[str, Any] = {"packing": on, "chunked_logprobs": True}
+    if "share_prompt" in fields:
+        features["share_prompt"] = on and config.share_prompt
+    if "prune_last_layer" in fields:
+        skip = prune_skip_reason(model) if on and config.prune_last_layer else None
+        features["prune_last_layer"] = on and config.prune_last_layer and skip is None
+        if skip:
+            why["prune_last_layer"] = skip
+    if unsupported and "packing" not in fields:
+        features["packing"], why["packing"] = False, unsupported
+    for name, reason in why.items():
+        log.info("%s: %s is off: %s", owner, name, reason)
+    features["fallbacks"] = why
+    return config, features
+
+
+def describe(features: dict[str, Any]) -> str:
+    """``packing=on share_prompt=on ...`` for the log line a run starts with."""
+    return " ".join(f"{k}={'on' if v else 'off'}" for k, v in features.items() if k != "fallbacks")

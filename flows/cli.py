@@ -9,6 +9,7 @@ The command names, stage choices and algorithm list come from the registries
 (:data:`verl_core.pipeline.registry.STEPS`, :data:`verl_core.algorithms.registry.ALGORITHMS`).
 Prefect is imported by the commands that run flows and by the `flows` package itself.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from verl_core.algorithms.registry import ALGORITHMS
 from verl_core.config import ConfigError
@@ -54,18 +55,30 @@ def ui_locations(config: PipelineConfig) -> list[str]:
     from verl_core.pipeline import tracking
 
     api = os.environ.get("PREFECT_API_URL")
-    prefect = (f"Prefect UI:  {api.rstrip('/').removesuffix('/api')}" if api else
-               "Prefect UI:  (this run used a temporary local API) start persistent UIs with `verl-core servers`")
+    prefect = (
+        f"Prefect UI:  {api.rstrip('/').removesuffix('/api')}"
+        if api
+        else "Prefect UI:  (this run used a temporary local API) start persistent UIs with `verl-core servers`"
+    )
     uri = tracking.tracking_uri(config)
-    mlflow = (f"MLflow UI:   {uri}" if uri.startswith("http") else
-              f"MLflow UI:   mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000  (then {tracking.ui_url(config)})")
+    mlflow = (
+        f"MLflow UI:   {uri}"
+        if uri.startswith("http")
+        else f"MLflow UI:   mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000  (then {tracking.ui_url(config)})"
+    )
     return [prefect, mlflow, f"MLflow store: {uri}  experiment: {config.tracking.experiment}"]
 
 
 def _report(result, config: PipelineConfig) -> None:
     print("\nstages:")
-    print(format_table([{"stage": k, "state": v, "output": (result.records[k].output_path if result.records.get(k) else "")}
-                        for k, v in result.states.items()]))
+    print(
+        format_table(
+            [
+                {"stage": k, "state": v, "output": (result.records[k].output_path if result.records.get(k) else "")}
+                for k, v in result.states.items()
+            ]
+        )
+    )
     if result.records.get("evaluation"):
         print("\nevaluation (held-out):")
         print(format_table(result.evaluation_table))
@@ -103,8 +116,9 @@ def cmd_config(args) -> int:
 def launch(cmd: Sequence[str], env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
     """Start ``cmd`` in its own process group (so :func:`stop` can end it and its children)."""
     out = open(log, "ab") if log else subprocess.DEVNULL
-    return subprocess.Popen(list(cmd), env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        list(cmd), env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def wait_http(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
@@ -139,16 +153,33 @@ def stop(proc: subprocess.Popen, grace: float = 10) -> None:
 def server_commands(workdir: Path, prefect_port: int, mlflow_port: int) -> dict[str, tuple[list[str], dict[str, str], str]]:
     """Command, environment and health URL of the Prefect server and the MLflow server, both on 127.0.0.1."""
     bin_dir = Path(sys.executable).parent
-    prefect_env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                   "PREFECT_UI_API_URL": f"http://127.0.0.1:{prefect_port}/api",
-                   "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api"}
+    prefect_env = {
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+        "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+    }
     return {
-        "prefect": ([str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
-                    prefect_env, f"http://127.0.0.1:{prefect_port}/api/health"),
-        "mlflow": ([str(bin_dir / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
-                    "--backend-store-uri", f"sqlite:///{workdir / 'mlflow-server.db'}",
-                    "--artifacts-destination", str(workdir / "mlflow-server-artifacts")],
-                   {}, f"http://127.0.0.1:{mlflow_port}/health"),
+        "prefect": (
+            [str(bin_dir / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(prefect_port)],
+            prefect_env,
+            f"http://127.0.0.1:{prefect_port}/api/health",
+        ),
+        "mlflow": (
+            [
+                str(bin_dir / "mlflow"),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(mlflow_port),
+                "--backend-store-uri",
+                f"sqlite:///{workdir / 'mlflow-server.db'}",
+                "--artifacts-destination",
+                str(workdir / "mlflow-server-artifacts"),
+            ],
+            {},
+            f"http://127.0.0.1:{mlflow_port}/health",
+        ),
     }
 
 
@@ -162,7 +193,7 @@ def cmd_servers(args) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops the servers too
     procs = {}
     try:
-        for name, (cmd, env, health) in server_commands(workdir, args.prefect_port, args.mlflow_port).items():
+        for name, (cmd, env, _health) in server_commands(workdir, args.prefect_port, args.mlflow_port).items():
             procs[name] = launch(cmd, env, workdir / f"{name}-server.log")
         for name, (_, _, health) in server_commands(workdir, args.prefect_port, args.mlflow_port).items():
             wait_http(health, timeout=180, proc=procs[name])

@@ -3,6 +3,7 @@
 The flow parameter is the pydantic :class:`PipelineConfig` (the same object
 ``configs/default.yaml`` loads into), so the Prefect UI shows it as a form.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -52,7 +53,7 @@ class PipelineRun:
         self.config, self.flow_name = config, flow_name
         self.result = PipelineResult()
 
-    def __enter__(self) -> "PipelineRun":
+    def __enter__(self) -> PipelineRun:
         from prefect.runtime import flow_run
 
         self.result.flow_run_id = flow_run.id
@@ -63,7 +64,9 @@ class PipelineRun:
     def __exit__(self, exc_type, exc, tb) -> bool:
         status = "FAILED" if exc_type else "FINISHED"
         tags = {f"stage.{k}.state": v for k, v in self.result.states.items()}
-        tags.update({f"stage.{k}.mlflow_run_id": r.mlflow_run_id for k, r in self.result.records.items() if r and r.mlflow_run_id})
+        tags.update(
+            {f"stage.{k}.mlflow_run_id": r.mlflow_run_id for k, r in self.result.records.items() if r and r.mlflow_run_id}
+        )
         tracking.end_run(self.config, self.result.mlflow_run_id, status, tags)
         if not exc_type:
             self._publish_summary()
@@ -88,15 +91,23 @@ class PipelineRun:
         record = state.result()  # re-raises the task's exception
         if state.is_completed() and state.name == "Cached" and not Path(record.output_path).exists():
             # The cache record outlived its output folder: compute it again.
-            state = task.with_options(refresh_cache=True)(name, self.config, inputs, parent_run_id=self.result.mlflow_run_id,
-                                                          return_state=True)
+            state = task.with_options(refresh_cache=True)(
+                name, self.config, inputs, parent_run_id=self.result.mlflow_run_id, return_state=True
+            )
             record = state.result()
         return record, state.name
 
     def _publish_summary(self) -> None:
-        rows = [{"stage": k, "state": self.result.states[k], "fingerprint": (r.fingerprint[:12] if r else ""),
-                 "output": (r.output_path if r else ""), "mlflow_run_id": (r.mlflow_run_id or "" if r else "")}
-                for k, r in self.result.records.items()]
+        rows = [
+            {
+                "stage": k,
+                "state": self.result.states[k],
+                "fingerprint": (r.fingerprint[:12] if r else ""),
+                "output": (r.output_path if r else ""),
+                "mlflow_run_id": (r.mlflow_run_id or "" if r else ""),
+            }
+            for k, r in self.result.records.items()
+        ]
         create_table_artifact(rows, key=f"{self.flow_name}-stages", description="stage states of this run")
 
 

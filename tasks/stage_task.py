@@ -6,6 +6,7 @@ names it after the step and applies the run's storage and retry settings. The bo
 step's nested MLflow run, runs :func:`~verl_core.pipeline.runner.run_stage`, logs the result and
 publishes Prefect artifacts.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -30,8 +31,14 @@ def _cache_key(_ctx, parameters: dict[str, Any]) -> str:
     return f"{stage}-{stage_key(parameters['config'], stage, parameters['inputs'])}"
 
 
-@task(name="stage", cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key), persist_result=True,
-      result_serializer="json", retries=1, retry_delay_seconds=2)
+@task(
+    name="stage",
+    cache_policy=CacheKeyFnPolicy(cache_key_fn=_cache_key),
+    persist_result=True,
+    result_serializer="json",
+    retries=1,
+    retry_delay_seconds=2,
+)
 def stage_task(stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: str | None = None) -> StageRecord:
     """Compute pipeline step ``stage`` from its inputs' records (cached on its key)."""
     return execute(stage, config, inputs, parent_run_id)
@@ -42,8 +49,13 @@ def task_for(stage: str, config: PipelineConfig) -> Task:
     o = config.orchestration
     storage = config.result_storage_path
     storage.mkdir(parents=True, exist_ok=True)
-    return stage_task.with_options(name=stage, result_storage=storage, retries=o.retries,
-                                   retry_delay_seconds=o.retry_delay_seconds, refresh_cache=o.refresh_cache or None)
+    return stage_task.with_options(
+        name=stage,
+        result_storage=storage,
+        retries=o.retries,
+        retry_delay_seconds=o.retry_delay_seconds,
+        refresh_cache=o.refresh_cache or None,
+    )
 
 
 def stage_callbacks(config: PipelineConfig, stage: str, run_id: str) -> list[Callback]:
@@ -57,8 +69,16 @@ def execute(stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: s
 
     tracking.configure(config)
     key = stage_key(config, stage, inputs)
-    run_id = tracking.start_stage_run(config, parent_run_id, stage, variant_of(config, stage), key,
-                                      flow_run_id=flow_run.id, task_run_id=task_run.id, attempt=task_run.run_count)
+    run_id = tracking.start_stage_run(
+        config,
+        parent_run_id,
+        stage,
+        variant_of(config, stage),
+        key,
+        flow_run_id=flow_run.id,
+        task_run_id=task_run.id,
+        attempt=task_run.run_count,
+    )
     try:
         tracking.log_inputs(config, run_id, inputs)
         result = run_stage(config, stage, inputs, callbacks=stage_callbacks(config, stage, run_id), run_id=run_id)
@@ -75,9 +95,13 @@ def publish(config: PipelineConfig, result: StageResult, run_id: str) -> None:
     """Prefect artifacts: a markdown summary, a link to the MLflow run, and any tables."""
     rec, slug = result.record, result.record.stage.replace("_", "-")
     url = tracking.run_url(config, run_id)
-    lines = [f"### {rec.stage}" + (f" ({rec.variant})" if rec.variant else ""), "",
-             f"- output: `{rec.output_path}`", f"- fingerprint: `{rec.fingerprint[:16]}`",
-             f"- MLflow run: [{run_id}]({url})"]
+    lines = [
+        f"### {rec.stage}" + (f" ({rec.variant})" if rec.variant else ""),
+        "",
+        f"- output: `{rec.output_path}`",
+        f"- fingerprint: `{rec.fingerprint[:16]}`",
+        f"- MLflow run: [{run_id}]({url})",
+    ]
     if rec.extra.get("resumed_from_step"):
         lines.append(f"- resumed from checkpoint step {rec.extra['resumed_from_step']}")
     if result.reused:

@@ -1,4 +1,5 @@
 """Shared fixtures: hermetic caches, the embedded default model, a small trained SFT policy."""
+
 from __future__ import annotations
 
 import os
@@ -46,12 +47,18 @@ def sft_path(tiny_path, session_tmp) -> Path:
     from verl_core.algorithms.sft import SFTTrainer
 
     out = session_tmp / "sft"
-    common = dict(train_dataset=arithmetic.sft_rows(2000), batch_size=32, mixed_precision="no", progress=False,
-                  logging_steps=100)
-    SFTTrainer(str(tiny_path), max_steps=300, learning_rate=3e-3, warmup_steps=20, output_dir=str(out / "phase1"),
-               **common).train()
-    SFTTrainer(str(out / "phase1" / "model"), max_steps=600, learning_rate=2e-3, lr_scheduler="constant",
-               output_dir=str(out / "phase2"), **common).train()
+    common = dict(train_dataset=arithmetic.sft_rows(2000), batch_size=32, mixed_precision="no", progress=False, logging_steps=100)
+    SFTTrainer(
+        str(tiny_path), max_steps=300, learning_rate=3e-3, warmup_steps=20, output_dir=str(out / "phase1"), **common
+    ).train()
+    SFTTrainer(
+        str(out / "phase1" / "model"),
+        max_steps=600,
+        learning_rate=2e-3,
+        lr_scheduler="constant",
+        output_dir=str(out / "phase2"),
+        **common,
+    ).train()
     return out / "phase2" / "model"
 
 

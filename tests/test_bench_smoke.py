@@ -3,6 +3,7 @@
 No timing is asserted: the smoke run only checks that our trainers run under the bench and
 that the table and result files come out (TRL is not needed: ``--no-trl``).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,10 @@ def _record(ms: float, rss: float, **extra) -> dict:
 def test_table_reports_ratios_misses_and_errors():
     spec = harness.BenchSpec()
     works = {"dpo": {"unit": 16, "flops": 1e9}, "sft": {"unit": 600, "flops": 1e9}}
-    results = {"dpo": {"ours": _record(100, 300, precompute_s=2.0), "trl": _record(300, 600)},
-               "sft": {"ours": _record(100, 300), "trl": {"error": "boom"}}}
+    results = {
+        "dpo": {"ours": _record(100, 300, precompute_s=2.0), "trl": _record(300, 600)},
+        "sft": {"ours": _record(100, 300), "trl": {"error": "boom"}},
+    }
     peak = {"flops_per_s": 1e11, "dtype": "bf16", "n": 2048, "threads": 2}
     table, verdicts = harness.build_table(spec, ["sft", "dpo"], results, works, peak, "cpu", {"torch": "x"})
     assert "| dpo | pairs/s | 160.0 | 53.3 | 3.00× | 300 | 600 | 0.50× |" in table
@@ -61,9 +64,25 @@ def test_table_reports_ratios_misses_and_errors():
 def test_smoke_run_of_our_side(tmp_path):
     out = tmp_path / "latest.md"
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "run_all.py"), "--quick", "--small", "--no-trl", "--threads", "1", "--dtype", "fp32",
-         "--only", "sft,dpo", "--out", str(out)],
-        capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            str(BENCH / "run_all.py"),
+            "--quick",
+            "--small",
+            "--no-trl",
+            "--threads",
+            "1",
+            "--dtype",
+            "fp32",
+            "--only",
+            "sft,dpo",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a target missed, never a failure
     table = out.read_text()
     for algo in ("sft", "dpo"):
@@ -73,6 +92,94 @@ def test_smoke_run_of_our_side(tmp_path):
     raw = json.loads(out.with_suffix(".json").read_text())
     assert raw["results"]["dpo"]["ours"]["precompute_s"] > 0
     assert "packing" in raw["results"]["dpo"]["ours"]["features"]
+
+
+# -- the realistic-shape bench (bench/realistic.py) ---------------------------------------------------
+def _real(epoch_s: float, rss: float, **extra) -> dict:
+    return {
+        "epoch_s": epoch_s,
+        "timed_seconds": epoch_s,
+        "max_rss_mb": rss,
+        "first_step_s": 10.0,
+        "precompute_s": 0.0,
+        "cuda_peak_mb": None,
+        "features": "x",
+        **extra,
+    }
+
+
+def test_realistic_table_ratios_and_targets():
+    import realistic
+
+    spec = realistic.RealSpec()  # batch 8, 3 steps: 24 units an epoch (GRPO: 16 samples a step, 48)
+    results = {
+        a: {"real-ours": _real(4.0, 1000), "real-trl": _real(12.0, 2500), "real-trl-best": _real(6.0, 2400)}
+        for a in harness.ALGOS
+    }
+    results["dpo"]["real-trl-best"] = _real(4.0, 2400, precompute_s=1.0)
+    results["kto"]["real-ours"] = {"error": "boom"}
+    tokens = {a: {"tokens_per_unit": 100.0, "max_tokens": 300} for a in harness.ALGOS}
+    table, verdicts = realistic.build_table(spec, list(harness.ALGOS), results, tokens, "cpu", {"torch": "x"}, realistic.SIDES)
+    assert "| sft | examples/s | 6.0 | 2.0 | 4.0 | 3.00× | 1.50× | 1,000 | 2,500 | 2,400 | 0.40× |" in table
+    assert "| grpo | samples/s | 12.0 | 4.0 | 8.0 | 3.00× |" in table
+    status = {(t.algo, t.metric, t.baseline): s for t, s, _ in verdicts}
+    assert status[("sft", "throughput", "real-trl")] == "PASS" and status[("sft", "throughput", "real-trl-best")] == "PASS"
+    assert status[("dpo", "throughput", "real-trl-best")] == "MISS"  # 1.00× < 1.3×
+    assert status[("dpo", "memory", "real-trl")] == "PASS" and status[("kto", "memory", "real-trl")] == "n/a"
+    assert "kto ours: ERROR boom" in table and "TRL best 1.0 s" in table
+    how = next(h for t, s, h in verdicts if (t.algo, t.baseline, t.metric) == ("dpo", "real-trl-best", "throughput"))
+    assert "needs 30% more speed" in how
+
+
+def test_realistic_rows_split_hh_at_the_last_assistant_turn():
+    import realistic_models as rm
+
+    if not (rm.DATA_DIR / rm.HH_FILE).is_file():
+        pytest.skip(f"shared data not found in {rm.DATA_DIR}")
+    pairs = rm.hh_pairs()
+    assert len(pairs) > 2000
+    for p in pairs[:200]:
+        assert p["prompt"].endswith("\n\nAssistant:") and p["prompt"].startswith("\n\nHuman:")
+        assert "\n\nAssistant:" not in p["chosen"] and p["chosen"] != p["rejected"]
+    gsm = rm.gsm8k_rows()
+    assert all(r["ground_truth"].lstrip("-").replace(".", "").isdigit() for r in gsm)
+
+
+def test_realistic_smoke_run_of_our_side(tmp_path):
+    import realistic_models as rm
+
+    if not (rm.DATA_DIR / rm.HH_FILE).is_file():
+        pytest.skip(f"shared data not found in {rm.DATA_DIR}")
+    out = tmp_path / "realistic.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "realistic.py"),
+            "--smoke",
+            "--no-trl",
+            "--threads",
+            "1",
+            "--only",
+            "sft,dpo,grpo",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a target missed, never a failure
+    table = out.read_text()
+    for algo in ("sft", "dpo", "grpo"):
+        row = next(line for line in table.splitlines() if line.startswith(f"| {algo} |"))
+        assert row.split("|")[3].strip() not in ("—", ""), row  # our throughput was measured
+    assert "ERROR" not in table
+    raw = json.loads(out.with_suffix(".json").read_text())
+    dpo = raw["results"]["dpo"]["real-ours"]
+    assert dpo["epoch_s"] > 0 and dpo["first_step_s"] > dpo["epoch_s"] / 2  # the first step came after imports + load
+    assert "packing" in dpo["settings"] and "fp32" == raw["spec"]["dtype"]
 
 
 if __name__ == "__main__":

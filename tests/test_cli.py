@@ -1,4 +1,5 @@
 """The ``verl-core`` command line: parsing, config printing, and one cheap stage run."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_overrides_parse_as_yaml_scalars():
     assert parse_overrides(["sft.max_steps=10", "sft.model_path=null", "reward_model.enabled=false", "name=x=y"]) == {
-        "sft.max_steps": 10, "sft.model_path": None, "reward_model.enabled": False, "name": "x=y"}
+        "sft.max_steps": 10,
+        "sft.model_path": None,
+        "reward_model.enabled": False,
+        "name": "x=y",
+    }
 
 
 def test_config_command_prints_the_resolved_config(capsys, monkeypatch):
@@ -45,9 +50,20 @@ def test_stage_command_runs_one_stage_and_prints_where_to_look(tmp_path, capsys)
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 
     with temporary_settings({PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 120}):
-        code = main(["stage", "preference_data", "--config", str(ROOT / "configs" / "default.yaml"),
-                     "--set", f"workdir={tmp_path}", "--set", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
-                     "--set", "preference_data.num_prompts=16"])
+        code = main(
+            [
+                "stage",
+                "preference_data",
+                "--config",
+                str(ROOT / "configs" / "default.yaml"),
+                "--set",
+                f"workdir={tmp_path}",
+                "--set",
+                f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+                "--set",
+                "preference_data.num_prompts=16",
+            ]
+        )
     out = capsys.readouterr().out
     assert code == 0
     assert "preference_data" in out and "Completed" in out

@@ -1,4 +1,5 @@
 """Loading, validation and tokenization of every row format, on the tiny tokenizer and real data."""
+
 from __future__ import annotations
 
 import gzip
@@ -8,11 +9,23 @@ import os
 import datasets
 import pytest
 
-from verl_core.data import DataError, collate_pairs, collate_sft, load_rows, tokenize_pairs, tokenize_prompts, tokenize_sft, tokenize_unpaired
+from verl_core.data import (
+    DataError,
+    collate_pairs,
+    collate_sft,
+    load_rows,
+    tokenize_pairs,
+    tokenize_prompts,
+    tokenize_sft,
+    tokenize_unpaired,
+)
 from verl_core.data.formats import split_implicit_prompt
 from verl_core.models import load_tokenizer
 
-ROWS = [{"prompt": "Question: 1 + 2?\nAnswer:", "completion": " 3\n#### 3"}, {"prompt": "Question: 2 + 2?\nAnswer:", "completion": " 4\n#### 4"}]
+ROWS = [
+    {"prompt": "Question: 1 + 2?\nAnswer:", "completion": " 3\n#### 3"},
+    {"prompt": "Question: 2 + 2?\nAnswer:", "completion": " 4\n#### 4"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +68,8 @@ def test_sft_masks_only_completion_tokens(tok):
     for i, e in enumerate(ex):
         n_p, n_c = len(e["prompt_ids"]), len(e["completion_ids"])
         assert batch["loss_mask"][i, :n_p].sum() == 0
-        assert batch["loss_mask"][i, n_p:n_p + n_c].sum() == n_c
-        assert batch["loss_mask"][i, n_p + n_c:].sum() == 0
+        assert batch["loss_mask"][i, n_p : n_p + n_c].sum() == n_c
+        assert batch["loss_mask"][i, n_p + n_c :].sum() == 0
         assert e["completion_ids"][-1] == tok.eos_token_id
     assert tok.decode(ex[0]["completion_ids"], skip_special_tokens=True) == ROWS[0]["completion"]
 
@@ -67,18 +80,23 @@ def test_sft_text_and_conversational_rows(tok):
     conv = tokenize_sft([{"messages": [{"role": "user", "content": "1 + 2?"}, {"role": "assistant", "content": "3"}]}], tok)[0]
     assert tok.decode(conv["prompt_ids"]) == "<|user|>\n1 + 2?<|end|>\n<|assistant|>\n"
     assert tok.decode(conv["completion_ids"]) == "3<|end|>\n"
-    pc = tokenize_sft([{"prompt": [{"role": "user", "content": "1 + 2?"}], "completion": [{"role": "assistant", "content": "3"}]}], tok)[0]
+    pc = tokenize_sft(
+        [{"prompt": [{"role": "user", "content": "1 + 2?"}], "completion": [{"role": "assistant", "content": "3"}]}], tok
+    )[0]
     assert pc == conv
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"prompt": "q"}, "row 0: missing field 'completion'"),
-    ({"prompt": "q", "completion": 3}, "row 0: field 'completion' must be a string or a list of messages, got int"),
-    ({"prompt": "q", "completion": "   "}, "row 0: field 'completion' is empty"),
-    ({"question": "q"}, "needs 'text', 'prompt'\\+'completion' or 'messages'"),
-    ({"messages": [{"role": "user", "content": "hi"}]}, "must end with an assistant message"),
-    ({"prompt": "q", "completion": [{"role": "assistant", "content": "a"}]}, "both be strings or both be message lists"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "q"}, "row 0: missing field 'completion'"),
+        ({"prompt": "q", "completion": 3}, "row 0: field 'completion' must be a string or a list of messages, got int"),
+        ({"prompt": "q", "completion": "   "}, "row 0: field 'completion' is empty"),
+        ({"question": "q"}, "needs 'text', 'prompt'\\+'completion' or 'messages'"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, "must end with an assistant message"),
+        ({"prompt": "q", "completion": [{"role": "assistant", "content": "a"}]}, "both be strings or both be message lists"),
+    ],
+)
 def test_malformed_sft_rows_raise_naming_row_and_field(tok, row, message):
     with pytest.raises(DataError, match=message):
         tokenize_sft([row], tok)
@@ -116,7 +134,9 @@ def test_hh_rlhf_implicit_prompt_split_on_real_data(tok, shared_data):
             prompt, chosen, rejected = split_implicit_prompt(row["chosen"], row["rejected"], i)
         except DataError as err:  # the real data has a few empty replies (e.g. row 86)
             assert "has nothing after the shared prompt" in str(err)
-            assert min(len(row["chosen"].rstrip()), len(row["rejected"].rstrip())) == len(os.path.commonprefix([row["chosen"], row["rejected"]]).rstrip())
+            assert min(len(row["chosen"].rstrip()), len(row["rejected"].rstrip())) == len(
+                os.path.commonprefix([row["chosen"], row["rejected"]]).rstrip()
+            )
             continue
         assert prompt.startswith("\n\nHuman:") and prompt.endswith("\n\nAssistant:")
         assert prompt + chosen == row["chosen"] and prompt + rejected == row["rejected"]
@@ -130,7 +150,9 @@ def test_gsm8k_rows_become_prompts_with_ground_truth(tok, shared_data):
     from verl_core.rewards.rules import extract_gsm8k_answer
 
     rows = [json.loads(line) for line in (shared_data / "gsm8k-test.jsonl").read_text().splitlines()[:50]]
-    prompts = tokenize_prompts([{"prompt": r["question"], "ground_truth": extract_gsm8k_answer(r["answer"])} for r in rows], tok, max_prompt_length=512)
+    prompts = tokenize_prompts(
+        [{"prompt": r["question"], "ground_truth": extract_gsm8k_answer(r["answer"])} for r in rows], tok, max_prompt_length=512
+    )
     assert len(prompts) == 50 and all(p["ground_truth"] for p in prompts)
 
 

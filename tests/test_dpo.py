@@ -1,5 +1,6 @@
 """DPO-family trainer: step-0 values, precomputed vs on-the-fly reference, LoRA reference,
 reference-free losses, the seed example, and bad rows. All on the tiny default model."""
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,15 @@ from verl_core.models import LoraSettings, is_peft
 
 LN2 = math.log(2.0)
 QUIET = dict(progress=False, logging_steps=1)
-DPO_METRICS = {"loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"}
+DPO_METRICS = {
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+}
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +78,15 @@ def test_precomputed_reference_gives_the_same_losses_as_on_the_fly(tiny_path, pa
 
 
 def test_precompute_frees_an_explicit_reference_model(tiny_path, pairs):
-    trainer = DPOTrainer(str(tiny_path), ref_model=str(tiny_path), train_dataset=pairs, max_steps=1, batch_size=8,
-                         precompute_ref_logps=True, **QUIET)
+    trainer = DPOTrainer(
+        str(tiny_path),
+        ref_model=str(tiny_path),
+        train_dataset=pairs,
+        max_steps=1,
+        batch_size=8,
+        precompute_ref_logps=True,
+        **QUIET,
+    )
     assert trainer.ref_model is not None
     result = trainer.train()
     assert trainer.ref_model is None
@@ -78,8 +94,9 @@ def test_precompute_frees_an_explicit_reference_model(tiny_path, pairs):
 
 
 def test_lora_reference_is_the_adapter_disabled_policy_without_a_second_copy(tiny_path, pairs):
-    trainer = DPOTrainer(str(tiny_path), lora=LoraSettings(r=4), train_dataset=pairs, max_steps=2, batch_size=8,
-                         learning_rate=1e-2, **QUIET)
+    trainer = DPOTrainer(
+        str(tiny_path), lora=LoraSettings(r=4), train_dataset=pairs, max_steps=2, batch_size=8, learning_rate=1e-2, **QUIET
+    )
     assert is_peft(trainer.model)
     assert trainer.ref_model is None
     result = trainer.train()
@@ -112,8 +129,10 @@ def _seed_example(DPOTrainer, tiny_path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    rows = [{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]}
-            for r in arithmetic.preference_rows(arithmetic.train_problems(16))]
+    rows = [
+        {"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]}
+        for r in arithmetic.preference_rows(arithmetic.train_problems(16))
+    ]
     result = DPOTrainer(model=model, tokenizer=tokenizer, train_dataset=rows, beta=0.1, learning_rate=5e-6).train()
     assert result.steps == 1 and abs(result.metrics["loss"] - LN2) < 1e-6
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # the object was trained in place

@@ -1,4 +1,5 @@
 """The shared engine: exact resume, gradient accumulation, multi-process equivalence, bad input."""
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,17 @@ class _Updates(Callback):
 
 
 def _trainer(path, out, **kw):
-    cfg = dict(train_dataset=ROWS, max_steps=6, batch_size=8, learning_rate=1e-3, warmup_steps=2,
-               output_dir=str(out) if out else None, progress=False, logging_steps=1, seed=3)
+    cfg = dict(
+        train_dataset=ROWS,
+        max_steps=6,
+        batch_size=8,
+        learning_rate=1e-3,
+        warmup_steps=2,
+        output_dir=str(out) if out else None,
+        progress=False,
+        logging_steps=1,
+        seed=3,
+    )
     cfg.update(kw)
     return SFTTrainer(str(path), **cfg)
 
@@ -86,8 +96,23 @@ def test_two_processes_equal_one_process(tiny_path, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
     single, multi = tmp_path / "single.pt", tmp_path / "multi.pt"
     subprocess.run([sys.executable, str(script), str(tiny_path), str(single)], check=True, env=env, timeout=300)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-                    str(script), str(tiny_path), str(multi)], check=True, env=env, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29531",
+            str(script),
+            str(tiny_path),
+            str(multi),
+        ],
+        check=True,
+        env=env,
+        timeout=300,
+    )
     s, m = torch.load(single), torch.load(multi)
     assert s["processes"] == 1 and m["processes"] == 2
     assert abs(s["loss"] - m["loss"]) < 1e-5

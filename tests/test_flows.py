@@ -5,6 +5,7 @@ the module's own SFT stage is a short continuation (20 steps) and PPO (40 rollou
 has a policy it can improve in a CPU minute. Later tests change only cheaper stages, and
 the cache carries the rest over.
 """
+
 from __future__ import annotations
 
 import time
@@ -40,8 +41,11 @@ def inject_fault_once(monkeypatch, stage: str) -> list[int]:
 
     fired: list[int] = []
     real = stage_task.stage_callbacks
-    monkeypatch.setattr(stage_task, "stage_callbacks", lambda config, name, run_id: real(config, name, run_id) + (
-        [FaultAfterFirstCheckpoint(fired)] if name == stage else []))
+    monkeypatch.setattr(
+        stage_task,
+        "stage_callbacks",
+        lambda config, name, run_id: real(config, name, run_id) + ([FaultAfterFirstCheckpoint(fired)] if name == stage else []),
+    )
     return fired
 
 
@@ -54,16 +58,33 @@ def prefect_harness():
 
 
 def tiny_config(tmp: Path, base_model: Path, *overrides: str) -> PipelineConfig:
-    return load_pipeline_config(ROOT / "configs" / "default.yaml", [
-        f"workdir={tmp / 'work'}", f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}", f"base_model={base_model}",
-        "sft.max_steps=20", "sft.learning_rate=1e-4", "sft.logging_steps=5", "sft.save_steps=10", "sft.progress=false",
-        "reward_model.max_steps=60", "reward_model.save_steps=20", "reward_model.progress=false",
-        "policy_optimisation.algorithm=ppo", "policy_optimisation.ppo.progress=false",
-        "policy_optimisation.dpo.progress=false",
-        # fp32 everywhere: the measured numbers hold on any CPU (``auto`` picks bf16 where it is fast)
-        "sft.mixed_precision=no", "reward_model.mixed_precision=no", "policy_optimisation.ppo.mixed_precision=no",
-        "preference_data.num_prompts=256", "evaluation.num_rows=200", "orchestration.retry_delay_seconds=1",
-        *overrides])
+    return load_pipeline_config(
+        ROOT / "configs" / "default.yaml",
+        [
+            f"workdir={tmp / 'work'}",
+            f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}",
+            f"base_model={base_model}",
+            "sft.max_steps=20",
+            "sft.learning_rate=1e-4",
+            "sft.logging_steps=5",
+            "sft.save_steps=10",
+            "sft.progress=false",
+            "reward_model.max_steps=60",
+            "reward_model.save_steps=20",
+            "reward_model.progress=false",
+            "policy_optimisation.algorithm=ppo",
+            "policy_optimisation.ppo.progress=false",
+            "policy_optimisation.dpo.progress=false",
+            # fp32 everywhere: the measured numbers hold on any CPU (``auto`` picks bf16 where it is fast)
+            "sft.mixed_precision=no",
+            "reward_model.mixed_precision=no",
+            "policy_optimisation.ppo.mixed_precision=no",
+            "preference_data.num_prompts=256",
+            "evaluation.num_rows=200",
+            "orchestration.retry_delay_seconds=1",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +121,14 @@ def task_runs(flow_run_id: str):
 
 def test_pipeline_runs_end_to_end_and_the_final_policy_beats_the_sft_policy(first):
     cfg, result, _ = first
-    assert result.states == {"base": "Given", "sft": "Completed", "preference_data": "Completed",
-                             "reward_model": "Completed", "policy_optimisation": "Completed", "evaluation": "Completed"}
+    assert result.states == {
+        "base": "Given",
+        "sft": "Completed",
+        "preference_data": "Completed",
+        "reward_model": "Completed",
+        "policy_optimisation": "Completed",
+        "evaluation": "Completed",
+    }
     m = result.records["evaluation"].metrics
     print(f"held-out exact match: sft {m['accuracy/sft']:.3f} -> final (ppo) {m['accuracy/final']:.3f}")
     # RL needs a policy that already solves some problems: from SFT policies at 13-36% neither GRPO nor
@@ -140,7 +167,11 @@ def test_prefect_shows_artifacts_for_the_evaluation(first):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     with get_client(sync_client=True) as client:
-        arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["evaluation-evaluation", "evaluation-mlflow-run", "sft-summary"])))
+        arts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["evaluation-evaluation", "evaluation-mlflow-run", "sft-summary"])
+            )
+        )
     assert {a.key for a in arts} == {"evaluation-evaluation", "evaluation-mlflow-run", "sft-summary"}
 
 
@@ -191,16 +222,22 @@ def test_killed_stage_resumes_on_rerun_and_ends_like_an_uninterrupted_run(first,
     from flows import stage_flow  # the step's own flow: pulls cached SFT + pairs, no evaluation
 
     cfg, first_result, _ = first
-    cfg = cfg.updated(reward_model={**cfg.reward_model.model_dump(), "seed": 2, "max_steps": 40},
-                      orchestration={**cfg.orchestration.model_dump(), "retries": 0})
+    cfg = cfg.updated(
+        reward_model={**cfg.reward_model.model_dump(), "seed": 2, "max_steps": 40},
+        orchestration={**cfg.orchestration.model_dump(), "retries": 0},
+    )
     inject_fault_once(monkeypatch, "reward_model")  # the "kill": an exception after the first checkpoint, no retry
     state = stage_flow("reward_model", cfg, return_state=True)
     assert state.is_failed()
     c = mlflow_client(cfg)
-    failed_parent = c.search_runs([c.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
-                                  filter_string="tags.`verl_core.flow` = 'stage-reward-model'")[0]
+    failed_parent = c.search_runs(
+        [c.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+        filter_string="tags.`verl_core.flow` = 'stage-reward-model'",
+    )[0]
     assert failed_parent.info.status == "FAILED"
-    assert [r.info.status for r in children(cfg, failed_parent.info.run_id) if r.data.tags["verl_core.stage"] == "reward_model"] == ["FAILED"]
+    assert [
+        r.info.status for r in children(cfg, failed_parent.info.run_id) if r.data.tags["verl_core.stage"] == "reward_model"
+    ] == ["FAILED"]
 
     monkeypatch.undo()
     resumed = stage_flow("reward_model", cfg)
@@ -209,8 +246,9 @@ def test_killed_stage_resumes_on_rerun_and_ends_like_an_uninterrupted_run(first,
     assert rm.extra["resumed_from_step"] == 20
 
     # The same stage, uninterrupted, in plain Python, elsewhere: same weights, same metrics.
-    reference = run_stage(cfg.updated(workdir=str(tmp_path)), "reward_model",
-                          {k: first_result.records[k] for k in ("sft", "preference_data")}).record
+    reference = run_stage(
+        cfg.updated(workdir=str(tmp_path)), "reward_model", {k: first_result.records[k] for k in ("sft", "preference_data")}
+    ).record
     assert reference.extra["resumed_from_step"] == 0
     assert reference.fingerprint == rm.fingerprint
     assert reference.metrics == rm.metrics

@@ -1,4 +1,5 @@
 """GRPO / RLOO / REINFORCE++: group sampling, critic-free advantages, KL placement, reproducibility."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,8 +36,9 @@ def _trainer(path, cls_name="GRPOTrainer", **overrides):
     from verl_core.algorithms import grpo
     from verl_core.policies import LLMPolicy
 
-    settings = dict(batch_size=16, num_generations=4, max_steps=2, learning_rate=1e-4, max_new_tokens=16,
-                    progress=False, logging_steps=1)
+    settings = dict(
+        batch_size=16, num_generations=4, max_steps=2, learning_rate=1e-4, max_new_tokens=16, progress=False, logging_steps=1
+    )
     settings.update(overrides)
     return getattr(grpo, cls_name)(policy=LLMPolicy.from_pretrained(str(path)), **settings)
 

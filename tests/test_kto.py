@@ -1,5 +1,6 @@
 """KTO trainer: step-0 loss, paired-data conversion, KL pairs, precomputation, the
 cross-process KL reduction, label balance and bad rows. All on the tiny default model."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,9 @@ def pairs() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def unpaired(pairs) -> list[dict]:
-    return [{"prompt": r["prompt"], "completion": r[key], "label": key == "chosen"} for r in pairs for key in ("chosen", "rejected")]
+    return [
+        {"prompt": r["prompt"], "completion": r[key], "label": key == "chosen"} for r in pairs for key in ("chosen", "rejected")
+    ]
 
 
 def test_kto_loss_is_one_half_at_step0(tiny_path, unpaired):
@@ -33,8 +36,15 @@ def test_kto_loss_is_one_half_at_step0(tiny_path, unpaired):
     assert out.metrics["kl"] == 0.0
     result = trainer.train()
     assert abs(result.history["loss"][0][1] - 0.5) < 1e-6
-    assert {"kl", "count/desirable", "rewards/chosen", "rewards/rejected", "rewards/margins",
-            "logps/chosen", "logps/rejected"} <= set(result.history)
+    assert {
+        "kl",
+        "count/desirable",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    } <= set(result.history)
 
 
 def test_paired_rows_become_one_desirable_and_one_undesirable_row_each(tiny_path, pairs):
@@ -75,8 +85,9 @@ def test_kl_reference_point_is_averaged_across_processes(tiny_path, unpaired):
         calls.append(reduction)
         return tensor * 0 + 3.0  # as if the other processes' estimates averaged to 3
 
-    trainer.engine = SimpleNamespace(accelerator=SimpleNamespace(
-        num_processes=2, reduce=reduce, autocast=contextlib.nullcontext, unwrap_model=lambda m: m))
+    trainer.engine = SimpleNamespace(
+        accelerator=SimpleNamespace(num_processes=2, reduce=reduce, autocast=contextlib.nullcontext, unwrap_model=lambda m: m)
+    )
     out = trainer.loss(trainer.model, trainer.collate(trainer.train_examples[:8]))
     assert calls == ["mean"] and out.metrics["kl"] == 3.0
     # r = 0, z0 = 3, β = 0.1: desirable 1-σ(-0.3), undesirable 1-σ(0.3); the batch alternates labels

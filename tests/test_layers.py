@@ -1,5 +1,6 @@
 """The layers of DESIGN.md hold: the kernel never imports Prefect, MLflow or the pipeline layer;
 dependencies point down only; no import cycles; no oversized modules."""
+
 from __future__ import annotations
 
 import ast
@@ -13,8 +14,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("verl_core", "tasks", "flows")
 # Each layer and the top-level names it may import from this project.
-ALLOWED = {"kernel": {"verl_core"}, "pipeline": {"verl_core"}, "tasks": {"verl_core", "tasks"},
-           "flows": {"verl_core", "tasks", "flows"}}
+ALLOWED = {
+    "kernel": {"verl_core"},
+    "pipeline": {"verl_core"},
+    "tasks": {"verl_core", "tasks"},
+    "flows": {"verl_core", "tasks", "flows"},
+}
 MLFLOW_IN_KERNEL = {"verl_core.callbacks"}  # the MLflow callback: the one kernel file that may import mlflow
 
 pytestmark = pytest.mark.fast
@@ -64,16 +69,21 @@ def test_no_kernel_file_imports_prefect_mlflow_or_the_pipeline_layer():
             continue
         for name in imports_of(path):
             top = name.split(".")[0]
-            if top in ("prefect", "flows", "tasks") or name.startswith("verl_core.pipeline") or \
-                    (top == "mlflow" and module not in MLFLOW_IN_KERNEL):
+            if (
+                top in ("prefect", "flows", "tasks")
+                or name.startswith("verl_core.pipeline")
+                or (top == "mlflow" and module not in MLFLOW_IN_KERNEL)
+            ):
                 offenders.append(f"{module} imports {name}")
     assert not offenders, offenders
 
 
 def test_importing_every_kernel_module_loads_neither_prefect_nor_mlflow_nor_the_pipeline():
-    code = (f"import importlib, json, sys\nfor m in {kernel_modules()!r}: importlib.import_module(m)\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'mlflow', 'flows', 'tasks')"
-            " or m.startswith('verl_core.pipeline'))))")
+    code = (
+        f"import importlib, json, sys\nfor m in {kernel_modules()!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'mlflow', 'flows', 'tasks')"
+        " or m.startswith('verl_core.pipeline'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
@@ -97,8 +107,9 @@ def test_no_import_cycles_between_project_modules():
     modules = {module_name(p): p for p in project_files()}
     graph = {m: {i for i in imports_of(p) if i in modules and i != m} for m, p in modules.items()}
     # A package's __init__ re-exporting its own submodules is not a cycle of logic.
-    graph = {m: {i for i in deps if not (modules[m].name == "__init__.py" and i.startswith(m + "."))}
-             for m, deps in graph.items()}
+    graph = {
+        m: {i for i in deps if not (modules[m].name == "__init__.py" and i.startswith(m + "."))} for m, deps in graph.items()
+    }
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
@@ -106,7 +117,7 @@ def test_no_import_cycles_between_project_modules():
         state[m] = 1
         for d in sorted(graph[m]):
             if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d])
+                cycles.append(stack[stack.index(d) :] + [d])
             elif d not in state:
                 visit(d, stack + [d])
         state[m] = 2

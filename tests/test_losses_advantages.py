@@ -1,4 +1,5 @@
 """Advantage estimators and masked statistics against hand-computed values."""
+
 from __future__ import annotations
 
 import math
@@ -258,8 +259,13 @@ def test_registry_names() -> None:
     assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"}
     assert ADVANTAGE_ESTIMATORS["grpo"] is grpo_advantages
     assert losses.ADVANTAGE_ESTIMATORS is ADVANTAGE_ESTIMATORS
-    for name in ["dr_grpo_advantages", "reinforce_pp_baseline_advantages", "reinforce_pp_outcome_advantages",
-                 "gae_outcome_advantages", "outcome_token_rewards"]:
+    for name in [
+        "dr_grpo_advantages",
+        "reinforce_pp_baseline_advantages",
+        "reinforce_pp_outcome_advantages",
+        "gae_outcome_advantages",
+        "outcome_token_rewards",
+    ]:
         assert name in losses.__all__ and hasattr(losses, name)
 
 

@@ -1,4 +1,5 @@
 """PPO policy/value losses, aggregation, KL penalties and controllers against hand values."""
+
 from __future__ import annotations
 
 import math

@@ -149,8 +149,7 @@ def test_dpo_unknown_loss_type_names_it():
 def test_dpo_rewards_detached_losses_have_grad(loss_type):
     pc, pr = t(PC, grad=True), t(PR, grad=True)
     lengths = t([2.0, 3.0])
-    out = dpo_loss(pc, pr, t(RC), t(RR), beta=0.5, loss_type=loss_type,
-                   chosen_lengths=lengths, rejected_lengths=lengths)
+    out = dpo_loss(pc, pr, t(RC), t(RR), beta=0.5, loss_type=loss_type, chosen_lengths=lengths, rejected_lengths=lengths)
     assert out.losses.requires_grad
     assert not out.chosen_rewards.requires_grad and not out.rejected_rewards.requires_grad
     out.losses.sum().backward()
@@ -175,8 +174,7 @@ def test_kto_at_reference_is_half():
 def test_kto_hand_values_with_kl_and_weights():
     kl_policy = t([-1.0, -2.0, -3.0])
     kl_ref = t([-1.3, -2.3, -3.3])  # z0 = 0.3
-    out = kto_loss(t(KP), t(KR), LABELS, kl_policy, kl_ref, beta=0.5,
-                   desirable_weight=2.0, undesirable_weight=1.5)
+    out = kto_loss(t(KP), t(KR), LABELS, kl_policy, kl_ref, beta=0.5, desirable_weight=2.0, undesirable_weight=1.5)
     expected = [
         2.0 * (1 - sig(0.5 * (0.5 - 0.3))),
         1.5 * (1 - sig(0.5 * (0.3 - (-0.5)))),
@@ -226,8 +224,7 @@ def test_mismatched_indices():
 
 def _simpo(**kw):
     # avg_c = [-4/2, -3/3] = [-2, -1]; avg_r = [-6/3, -2/1] = [-2, -2]
-    return simpo_loss(t([-4.0, -3.0], grad=True), t([-6.0, -2.0], grad=True),
-                      t([2.0, 3.0]), t([3.0, 1.0]), **kw)
+    return simpo_loss(t([-4.0, -3.0], grad=True), t([-6.0, -2.0], grad=True), t([2.0, 3.0]), t([3.0, 1.0]), **kw)
 
 
 def test_simpo_hand_values():
@@ -268,8 +265,9 @@ def test_orpo_hand_values():
 
 def test_orpo_stable_near_zero_and_very_negative():
     # avg logp == 0 (prob 1) must not give inf/nan; very negative must not underflow to nan
-    out = orpo_loss(t([0.0, -400.0], grad=True), t([-1e-9, -800.0], grad=True),
-                    t([1.0, 4.0]), t([1.0, 4.0]), t([0.0, 0.0]), lam=1.0)
+    out = orpo_loss(
+        t([0.0, -400.0], grad=True), t([-1e-9, -800.0], grad=True), t([1.0, 4.0]), t([1.0, 4.0]), t([0.0, 0.0]), lam=1.0
+    )
     assert torch.isfinite(out.losses).all()
     # for avg << 0, log odds ~= avg, so ratio ~= -100 - (-200) = 100
     assert abs(out.log_odds_ratio[1].item() - 100.0) < 1e-9

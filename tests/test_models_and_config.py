@@ -1,4 +1,5 @@
 """Model loading, the embedded default, and typed configs."""
+
 from __future__ import annotations
 
 import pytest

@@ -4,6 +4,7 @@ Losses and per-sequence log-probs are compared in fp32 against the padded path w
 (absolute on losses, relative on summed log-probs of ~40 tokens), and in fp64 within 1e-9,
 which shows the two layouts are the same computation up to float rounding.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,15 @@ import torch
 
 from verl_core import arithmetic, forward, packing
 from verl_core.algorithms.reward_model import pair_rewards
-from verl_core.data import (collate_pairs, collate_sequences, collate_sft, tokenize_pairs, tokenize_prompts, tokenize_sft,
-                            tokenize_unpaired)
+from verl_core.data import (
+    collate_pairs,
+    collate_sequences,
+    collate_sft,
+    tokenize_pairs,
+    tokenize_prompts,
+    tokenize_sft,
+    tokenize_unpaired,
+)
 from verl_core.losses.preference import dpo_loss, sequence_logps
 from verl_core.models import load_causal_lm, load_reward_model, load_tokenizer
 from verl_core.packing import model_token_logprobs
@@ -150,13 +158,16 @@ def test_packed_pair_logps_are_the_same_computation_in_fp64(tiny_path, tok, pair
 def test_packed_kto_rows_equal_padded(tiny_path, tok):
     from verl_core.algorithms.kto import assign_kl_completions
 
-    rows = [{"prompt": r["prompt"], "completion": r["chosen"], "label": i % 2 == 0}
-            for i, r in enumerate(arithmetic.preference_rows(arithmetic.train_problems(8)))]
+    rows = [
+        {"prompt": r["prompt"], "completion": r["chosen"], "label": i % 2 == 0}
+        for i, r in enumerate(arithmetic.preference_rows(arithmetic.train_problems(8)))
+    ]
     examples = assign_kl_completions(tokenize_unpaired(rows, tok, 128), seed=0, max_length=128)
     model = _model(tiny_path)
     prompts = [e["prompt_ids"] for e in examples]
-    padded = collate_sequences(prompts + prompts, [e["completion_ids"] for e in examples]
-                               + [e["kl_completion_ids"] for e in examples], tok.pad_token_id)
+    padded = collate_sequences(
+        prompts + prompts, [e["completion_ids"] for e in examples] + [e["kl_completion_ids"] for e in examples], tok.pad_token_id
+    )
     packed = packing.collate_packed_kto(examples, tok.pad_token_id)
     assert packed["labels"].tolist() == [e["label"] for e in examples]
     with torch.no_grad():
@@ -232,10 +243,16 @@ def test_packed_response_logits_share_each_prompt_and_equal_the_padded_ones(tiny
     model = _model(tiny_path)
     prompts = [e["prompt_ids"] for e in tokenize_prompts(arithmetic.prompt_rows(4), tok, 64)]
     rollout = HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id).generate(
-        prompts, SamplingParams(max_new_tokens=10, n=3), seed=0)
+        prompts, SamplingParams(max_new_tokens=10, n=3), seed=0
+    )
     seen = _mlp_rows(model)
-    batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "position_ids": rollout.position_ids,
-             "response_ids": rollout.response_ids, "response_mask": rollout.response_mask}
+    batch = {
+        "input_ids": rollout.input_ids,
+        "attention_mask": rollout.attention_mask,
+        "position_ids": rollout.position_ids,
+        "response_ids": rollout.response_ids,
+        "response_mask": rollout.response_mask,
+    }
     batch = {k: v[torch.randperm(12, generator=torch.Generator().manual_seed(0))] for k, v in batch.items()}  # groups split up
     batch["response_mask"][0, 3:] = 0  # an early stop
     mask = batch["response_mask"].bool()
@@ -254,8 +271,16 @@ def _losses(result):
 
 
 def _common(tiny_path, rows, **extra):
-    return dict(model=str(tiny_path), train_dataset=rows, max_steps=3, batch_size=8, learning_rate=1e-3, logging_steps=1,
-                progress=False, **extra)
+    return dict(
+        model=str(tiny_path),
+        train_dataset=rows,
+        max_steps=3,
+        batch_size=8,
+        learning_rate=1e-3,
+        logging_steps=1,
+        progress=False,
+        **extra,
+    )
 
 
 @pytest.mark.parametrize("row_tokens, checkpointing", [("longest", False), (100, True)])
@@ -297,9 +322,22 @@ def test_reward_and_kto_trainers_packed_equal_padded(tiny_path, share_prompt):
 def test_grpo_trainer_shared_prompt_update_equals_padded(tiny_path):
     from verl_core.algorithms.grpo import GRPOTrainer
 
-    common = dict(policy=str(tiny_path), prompts=arithmetic.prompt_rows(16), max_steps=2, batch_size=16, num_generations=4,
-                  mini_batch_size=8, ppo_epochs=1, max_new_tokens=8, learning_rate=1e-3, kl_coef=0.05, seed=0,
-                  logging_steps=1, progress=False, reward_fns=[lambda completions, truths: [len(c) / 10 for c in completions]])
+    common = dict(
+        policy=str(tiny_path),
+        prompts=arithmetic.prompt_rows(16),
+        max_steps=2,
+        batch_size=16,
+        num_generations=4,
+        mini_batch_size=8,
+        ppo_epochs=1,
+        max_new_tokens=8,
+        learning_rate=1e-3,
+        kl_coef=0.05,
+        seed=0,
+        logging_steps=1,
+        progress=False,
+        reward_fns=[lambda completions, truths: [len(c) / 10 for c in completions]],
+    )
     from verl_core.callbacks import Callback
 
     class Updates(Callback, list):  # records every optimizer step's metrics
@@ -322,8 +360,9 @@ def test_flash_attention_falls_back_to_packing_without_shared_prompts(tiny_path)
 
     model = load_causal_lm(tiny_path)
     model.config._attn_implementation = "flash_attention_2"
-    trainer = DPOTrainer(model=model, tokenizer=load_tokenizer(tiny_path),
-                         train_dataset=arithmetic.preference_rows(arithmetic.train_problems(4)))
+    trainer = DPOTrainer(
+        model=model, tokenizer=load_tokenizer(tiny_path), train_dataset=arithmetic.preference_rows(arithmetic.train_problems(4))
+    )
     assert trainer.config.packing and not trainer.config.share_prompt
     assert "flash_attention_2" in trainer.speed_features["fallbacks"]["share_prompt"]
 
@@ -363,9 +402,18 @@ def test_every_prunable_layer_gives_the_full_layers_logprobs(tok, pair_examples,
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-        layer.removesuffix("DecoderLayer").lower(), vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)).eval()
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(
+            layer.removesuffix("DecoderLayer").lower(),
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
+    ).eval()
     assert type(model.model.layers[-1]).__name__ == layer and forward.can_prune_last_layer(model)
     seen, lps = _mlp_rows(model), []
     for prune in (False, True):

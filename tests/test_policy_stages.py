@@ -1,14 +1,15 @@
 """Every policy-optimisation algorithm and sample-and-score preference data as pipeline stages
 (without Prefect): each trains from the SFT record into its stage folder and hands on a model."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 
-from verl_core.models import load_causal_lm
 from verl_core.algorithms.registry import ALGORITHMS
 from verl_core.fingerprint import fingerprint_path
+from verl_core.models import load_causal_lm
 from verl_core.pipeline import StageRecord, load_pipeline_config, run_stage
 
 
@@ -26,12 +27,18 @@ def tiny_run(tmp: Path, algorithm: str) -> list[str]:
     common = ["max_steps=2", "progress=false", "save_steps=1"]
     offline = ALGORITHMS[algorithm].kind == "offline"
     sizes = ["batch_size=4"] if offline else ["batch_size=8", "max_new_tokens=24", "mini_batch_size=4"]
-    return [f"workdir={tmp}", f"policy_optimisation.algorithm={algorithm}", "policy_optimisation.prompts.limit=16",
-            *(f"policy_optimisation.{algorithm}.{kv}" for kv in common + sizes)]
+    return [
+        f"workdir={tmp}",
+        f"policy_optimisation.algorithm={algorithm}",
+        "policy_optimisation.prompts.limit=16",
+        *(f"policy_optimisation.{algorithm}.{kv}" for kv in common + sizes),
+    ]
 
 
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))  # the registry: a new algorithm is tested here by itself
-def test_each_registered_algorithm_runs_as_the_policy_stage_and_changes_the_sft_weights(algorithm, sft_path, pairs_record, tmp_path):
+def test_each_registered_algorithm_runs_as_the_policy_stage_and_changes_the_sft_weights(
+    algorithm, sft_path, pairs_record, tmp_path
+):
     cfg = load_pipeline_config(None, tiny_run(tmp_path, algorithm))
     sft = record("sft", sft_path)
     result = run_stage(cfg, "policy_optimisation", {"sft": sft, "preference_data": pairs_record})
@@ -54,8 +61,15 @@ def test_online_stage_with_use_reward_model_requires_the_reward_model_record(tin
 
 
 def test_sample_and_score_stage_pairs_correct_over_wrong_answers_of_the_sft_policy(sft_path, tmp_path):
-    cfg = load_pipeline_config(None, [f"workdir={tmp_path}", "preference_data.method=sample_and_score",
-                                      "preference_data.num_prompts=32", "preference_data.sample_and_score.n_samples=4"])
+    cfg = load_pipeline_config(
+        None,
+        [
+            f"workdir={tmp_path}",
+            "preference_data.method=sample_and_score",
+            "preference_data.num_prompts=32",
+            "preference_data.sample_and_score.n_samples=4",
+        ],
+    )
     result = run_stage(cfg, "preference_data", {"sft": record("sft", sft_path)})
     from verl_core.pipeline.data import preference_rows_of
 

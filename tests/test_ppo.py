@@ -1,4 +1,5 @@
 """PPO: the seed example, step-0 invariants, seeded reproducibility, config checks."""
+
 from __future__ import annotations
 
 import pytest
@@ -58,8 +59,18 @@ def test_seed_example_runs_verbatim(sft_path, tiny_path):
     assert result.steps == config.max_steps and torch.isfinite(torch.tensor(result.metrics["loss"]))
     config = PPOConfig(gradient_checkpointing=True, gradient_accumulation_steps=4, mixed_precision="bf16", offload_optimizer=True)
     result = Trainer(policy=policy, reward_model=reward_model, config=config).train()
-    for key in ("reward/mean", "reward/std", "kl", "policy/clip_fraction", "policy/approx_kl", "value/loss",
-                "value/explained_variance", "response_length/mean", "perf/gen_tokens_per_s", "perf/train_tokens_per_s"):
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "kl",
+        "policy/clip_fraction",
+        "policy/approx_kl",
+        "value/loss",
+        "value/explained_variance",
+        "response_length/mean",
+        "perf/gen_tokens_per_s",
+        "perf/train_tokens_per_s",
+    ):
         assert key in result.metrics, key
 
 
@@ -79,8 +90,18 @@ def _ppo(path, **overrides):
     from verl_core.algorithms.ppo import PPOTrainer
     from verl_core.policies import LLMPolicy
 
-    settings = dict(batch_size=16, mini_batch_size=8, ppo_epochs=2, max_steps=1, learning_rate=1e-4, kl_coef=0.1,
-                    max_new_tokens=16, progress=False, logging_steps=1, reward_rules={"exact_match": 1.0, "format": 0.5})
+    settings = dict(
+        batch_size=16,
+        mini_batch_size=8,
+        ppo_epochs=2,
+        max_steps=1,
+        learning_rate=1e-4,
+        kl_coef=0.1,
+        max_new_tokens=16,
+        progress=False,
+        logging_steps=1,
+        reward_rules={"exact_match": 1.0, "format": 0.5},
+    )
     settings.update(overrides)
     return PPOTrainer(policy=LLMPolicy.from_pretrained(str(path)), **settings)
 

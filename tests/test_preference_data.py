@@ -1,4 +1,5 @@
 """Preference-data generation: pairs good enough to train a reward model, determinism, resume, ties."""
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,9 @@ def one_thread():
 
 
 def _shard_records(out) -> list[dict]:
-    return [json.loads(line) for f in sorted((out / "shards").glob("shard-*.jsonl")) for line in f.read_text().split("\n") if line]
+    return [
+        json.loads(line) for f in sorted((out / "shards").glob("shard-*.jsonl")) for line in f.read_text().split("\n") if line
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +67,17 @@ def test_pairs_respect_margin_and_train_a_reward_model(sft_path, tmp_path):
     from verl_core.evaluation import reward_model_accuracy
     from verl_core.models import load_reward_model
 
-    config = PreferenceDataConfig(n_samples=8, sampling={"max_new_tokens": 20}, pairing="best_worst", min_margin=0.5,
-                                  tie_break="logprob", shard_size=128, batch_size=64, seed=0, progress=False)
+    config = PreferenceDataConfig(
+        n_samples=8,
+        sampling={"max_new_tokens": 20},
+        pairing="best_worst",
+        min_margin=0.5,
+        tie_break="logprob",
+        shard_size=128,
+        batch_size=64,
+        seed=0,
+        progress=False,
+    )
     result = generate_preference_data(sft_path, arithmetic.prompt_rows(N_PROMPTS), config, tmp_path / "data")
     pairs = list(load_rows(str(result.paths["pairs"])))
     assert len(pairs) == result.counts["pairs"] == result.counts["prompts_with_pairs"] >= 150, result.counts
@@ -84,10 +96,20 @@ def test_pairs_respect_margin_and_train_a_reward_model(sft_path, tmp_path):
     assert 0 < provenance["stats"]["reward"]["mean"] < 1 and provenance["stats"]["reward"]["std"] > 0
 
     held_out = arithmetic.preference_rows(arithmetic.eval_problems(200), seed=1)
-    trained = RewardTrainer(str(sft_path), train_dataset=str(result.paths["pairs_parquet"]), max_steps=150,
-                            batch_size=16, learning_rate=1e-3, warmup_steps=10, mixed_precision="no",
-                            output_dir=str(tmp_path / "rm"), progress=False, logging_steps=50,
-                            center_rewards_coefficient=0.01, seed=0).train()
+    trained = RewardTrainer(
+        str(sft_path),
+        train_dataset=str(result.paths["pairs_parquet"]),
+        max_steps=150,
+        batch_size=16,
+        learning_rate=1e-3,
+        warmup_steps=10,
+        mixed_precision="no",
+        output_dir=str(tmp_path / "rm"),
+        progress=False,
+        logging_steps=50,
+        center_rewards_coefficient=0.01,
+        seed=0,
+    ).train()
     rm = load_reward_model(tmp_path / "rm" / "model")
     acc = reward_model_accuracy(rm, load_tokenizer(tmp_path / "rm" / "model"), held_out)
     losses = [v for _, v in trained.history["loss"]]
@@ -119,14 +141,16 @@ def test_killed_run_resumes_to_the_uninterrupted_result(sft_path, reference_run,
             raise KeyboardInterrupt("killed")
 
     with pytest.raises(KeyboardInterrupt):
-        generate_preference_data(sft_path, arithmetic.prompt_rows(24), PreferenceDataConfig(**SMALL), out,
-                                 on_shard_end=crash_after_shard_1)
+        generate_preference_data(
+            sft_path, arithmetic.prompt_rows(24), PreferenceDataConfig(**SMALL), out, on_shard_end=crash_after_shard_1
+        )
     assert written == [0, 1] and not (out / "pairs").exists()
     (out / "shards" / ".shard-00002.jsonl.tmp-1").write_text('{"half": ')  # a half-written shard left by the kill
     before = {f.name: f.stat().st_mtime_ns for f in (out / "shards").glob("shard-*.jsonl")}
     written.clear()
-    result = generate_preference_data(sft_path, arithmetic.prompt_rows(24), PreferenceDataConfig(**SMALL), out,
-                                      on_shard_end=lambda i, p: written.append(i))
+    result = generate_preference_data(
+        sft_path, arithmetic.prompt_rows(24), PreferenceDataConfig(**SMALL), out, on_shard_end=lambda i, p: written.append(i)
+    )
     assert written == [2]  # finished shards were skipped, not resampled
     assert {f.name: f.stat().st_mtime_ns for f in (out / "shards").glob("shard-0000[01].jsonl")} == before
     assert not list((out / "shards").glob(".*tmp*"))
@@ -149,8 +173,10 @@ def test_rows_load_with_the_tokenizers(sft_path, reference_run):
 
 def test_conversational_prompts_and_all_tie_prompts(sft_path, tmp_path):
     """Message-list prompts give assistant message lists; prompts whose samples all tie are reported, not paired."""
-    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "ground_truth": r["ground_truth"]}
-            for r in arithmetic.prompt_rows(12)]
+    rows = [
+        {"prompt": [{"role": "user", "content": r["prompt"]}], "ground_truth": r["ground_truth"]}
+        for r in arithmetic.prompt_rows(12)
+    ]
     tied = {r["ground_truth"] for r in rows[:4]} - {r["ground_truth"] for r in rows[4:]}
 
     def length_unless_tied(completions, truths):  # constant score for the prompts in `tied`
@@ -176,12 +202,29 @@ def test_conversational_prompts_and_all_tie_prompts(sft_path, tmp_path):
 
 def test_pairing_and_labelling_rules():
     """best_worst / all_pairs / margin / ties / duplicates / blanks / threshold and rank labels on hand-made samples."""
-    def s(p, j, text, score):
-        return {"prompt_index": p, "sample_index": j, "prompt": "Q", "ground_truth": None, "completion": text,
-                "score": score, "components": {"r": score}, "finished": True, "num_tokens": 3}
 
-    samples = [s(0, 0, "a", 1.0), s(0, 1, "b", 0.0), s(0, 2, "a", 1.0), s(0, 3, " ", -5.0), s(0, 4, "c", 0.2),
-               s(1, 0, "x", 0.5), s(1, 1, "y", 0.5)]
+    def s(p, j, text, score):
+        return {
+            "prompt_index": p,
+            "sample_index": j,
+            "prompt": "Q",
+            "ground_truth": None,
+            "completion": text,
+            "score": score,
+            "components": {"r": score},
+            "finished": True,
+            "num_tokens": 3,
+        }
+
+    samples = [
+        s(0, 0, "a", 1.0),
+        s(0, 1, "b", 0.0),
+        s(0, 2, "a", 1.0),
+        s(0, 3, " ", -5.0),
+        s(0, 4, "c", 0.2),
+        s(1, 0, "x", 0.5),
+        s(1, 1, "y", 0.5),
+    ]
     rows, counts, stats = build_rows(samples, PreferenceDataConfig(min_margin=0.5, progress=False))
     assert [(r["chosen"], r["rejected"]) for r in rows["pairs"]] == [("a", "b")]
     assert counts["duplicate_completions"] == 1 and counts["blank_completions"] == 1
@@ -199,8 +242,13 @@ def test_pairing_and_labelling_rules():
     rows, _, _ = build_rows(lp, PreferenceDataConfig(progress=False))
     assert [(r["chosen"], r["rejected"]) for r in rows["pairs"]] == [("a", "b")]
     rows, _, _ = build_rows(samples, PreferenceDataConfig(kto_threshold=0.5, progress=False))
-    assert [(r["completion"], r["label"]) for r in rows["unpaired"]] == [("a", True), ("b", False), ("c", False),
-                                                                          ("x", True), ("y", True)]
+    assert [(r["completion"], r["label"]) for r in rows["unpaired"]] == [
+        ("a", True),
+        ("b", False),
+        ("c", False),
+        ("x", True),
+        ("y", True),
+    ]
     rows, _, _ = build_rows(samples, PreferenceDataConfig(kto_labelling="rank", progress=False))
     assert [(r["completion"], r["label"]) for r in rows["unpaired"]] == [("a", True), ("b", False), ("c", False)]
     assert [(r["completion"], r["score"]) for r in rows["best_of_n"]] == [("a", 1.0), ("x", 0.5)]

@@ -1,4 +1,5 @@
 """Reward-model scoring, user reward callables and their weighted combination with rules."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -25,7 +26,11 @@ def reward_model(tiny_path) -> RewardModel:
     return RewardModel.from_pretrained(tiny_path, batch_size=2)
 
 
-PROMPTS = ["Question: Ann has 3 cups and gets 4 more. How many cups does Ann have?\nAnswer:", "Question: 9 - 2?\nAnswer:", "Q: 1+1?\nA:"]
+PROMPTS = [
+    "Question: Ann has 3 cups and gets 4 more. How many cups does Ann have?\nAnswer:",
+    "Question: 9 - 2?\nAnswer:",
+    "Q: 1+1?\nA:",
+]
 COMPLETIONS = [" 3 + 4 = 7\n#### 7", " 9 - 2 = 6\n#### 6", " 2\n#### 2"]
 
 
@@ -58,8 +63,9 @@ def test_rules_model_and_callables_combine_with_their_weights(reward_model):
         return [float(len(c)) for c in completions]
 
     truths = ["7", "7", "2"]
-    source = RewardSource(rules={"exact_match": 2.0}, reward_model=reward_model, reward_model_weight=0.5,
-                          functions={"len": (length, 0.1)})
+    source = RewardSource(
+        rules={"exact_match": 2.0}, reward_model=reward_model, reward_model_weight=0.5, functions={"len": (length, 0.1)}
+    )
     out = source.score(PROMPTS, COMPLETIONS, truths)
     rm = reward_model.score(PROMPTS, COMPLETIONS)
     expected = 2.0 * torch.tensor([1.0, 0.0, 1.0]) + 0.5 * rm + 0.1 * torch.tensor([float(len(c)) for c in COMPLETIONS])

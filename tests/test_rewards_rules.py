@@ -1,4 +1,5 @@
 """Rule rewards: extraction, scoring, registry, error reporting, and the real GSM8K test set."""
+
 from __future__ import annotations
 
 import doctest
@@ -66,8 +67,18 @@ def test_extract_last_number(text: str, expected: str | None) -> None:
 
 @pytest.mark.parametrize(
     "raw, expected",
-    [("72.0", "72"), ("1,000", "1000"), ("-3", "-3"), ("0.50", "0.5"), ("-0.0", "0"),
-     (" 18 ", "18"), ("1e3", "1000"), ("18 dollars", None), ("nan", None), ("", None)],
+    [
+        ("72.0", "72"),
+        ("1,000", "1000"),
+        ("-3", "-3"),
+        ("0.50", "0.5"),
+        ("-0.0", "0"),
+        (" 18 ", "18"),
+        ("1e3", "1000"),
+        ("18 dollars", None),
+        ("nan", None),
+        ("", None),
+    ],
 )
 def test_normalize_number(raw: str, expected: str | None) -> None:
     assert normalize_number(raw) == expected

@@ -1,4 +1,5 @@
 """Rollout: EOS stop and masks, n-sample grouping, seeded reproducibility, exact log-probs."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -84,7 +85,9 @@ def _prompts(tok, n=3):
 def test_n_samples_per_prompt_are_grouped_and_keep_their_prompt(tiny):
     model, tok = tiny
     prompts = [p[:k] for p, k in zip(_prompts(tok), (20, 12, 16))]  # different lengths -> left padding
-    out = HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id).generate(prompts, SamplingParams(n=4, max_new_tokens=6), seed=1)
+    out = HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id).generate(
+        prompts, SamplingParams(n=4, max_new_tokens=6), seed=1
+    )
     assert len(out) == 12
     assert out.group_index.tolist() == [0] * 4 + [1] * 4 + [2] * 4
     assert out.prompt_lists() == [p for p in prompts for _ in range(4)]
@@ -107,11 +110,12 @@ def test_logprobs_match_a_fresh_forward_pass(tiny, temperature):
     model, tok = tiny
     prompts = [p[:k] for p, k in zip(_prompts(tok), (20, 11, 16))]
     out = HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id).generate(
-        prompts, SamplingParams(n=2, max_new_tokens=10, temperature=temperature), seed=3)
+        prompts, SamplingParams(n=2, max_new_tokens=10, temperature=temperature), seed=3
+    )
     with torch.no_grad():
         logits = model(input_ids=out.input_ids, attention_mask=out.attention_mask, position_ids=out.position_ids).logits
     p = out.prompt_ids.shape[1]
-    fresh = selected_logprobs(logits[:, p - 1:-1] / temperature, out.response_ids)
+    fresh = selected_logprobs(logits[:, p - 1 : -1] / temperature, out.response_ids)
     mask = out.response_mask.bool()
     assert (fresh - out.logprobs)[mask].abs().max() < 1e-4
     assert (out.logprobs[~mask] == 0).all()

@@ -1,9 +1,6 @@
 """SFT and reward-model stages learn the bundled task."""
+
 from __future__ import annotations
-
-import random
-
-import pytest
 
 from verl_core import arithmetic
 from verl_core.algorithms.reward_model import RewardTrainer
@@ -32,9 +29,20 @@ def test_reward_model_separates_correct_from_wrong_answers(sft_path, tmp_path):
     after 200 steps (~40 s), 0.925 after 400; 0.855 from a 300-step SFT base."""
     train = arithmetic.preference_rows(arithmetic.train_problems(2000), seed=0)
     held_out = arithmetic.preference_rows(arithmetic.eval_problems(200), seed=1)
-    result = RewardTrainer(str(sft_path), train_dataset=train, eval_dataset=held_out[:64], max_steps=200, batch_size=32,
-                           learning_rate=1e-3, warmup_steps=10, mixed_precision="no", output_dir=str(tmp_path / "rm"),
-                           progress=False, logging_steps=20, center_rewards_coefficient=0.01).train()
+    result = RewardTrainer(
+        str(sft_path),
+        train_dataset=train,
+        eval_dataset=held_out[:64],
+        max_steps=200,
+        batch_size=32,
+        learning_rate=1e-3,
+        warmup_steps=10,
+        mixed_precision="no",
+        output_dir=str(tmp_path / "rm"),
+        progress=False,
+        logging_steps=20,
+        center_rewards_coefficient=0.01,
+    ).train()
     rm = load_reward_model(tmp_path / "rm" / "model")
     acc = reward_model_accuracy(rm, load_tokenizer(tmp_path / "rm" / "model"), held_out)
     assert acc > 0.8, f"held-out pairwise accuracy {acc:.3f}"

@@ -1,5 +1,6 @@
 """Fast by default: every trainer built with default arguments takes the fast path and says so;
 where a path cannot apply it falls back, trains, and logs why; small datasets train."""
+
 from __future__ import annotations
 
 import logging
@@ -55,8 +56,9 @@ def test_default_run_reports_its_speed_features_first(tiny_path, caplog):
 
     seen = Params()
     with caplog.at_level(logging.INFO, logger="verl_core"):
-        SFTTrainer(str(tiny_path), train_dataset=arithmetic.sft_rows(16), batch_size=8, max_steps=1, callbacks=[seen],
-                   **QUIET).train()
+        SFTTrainer(
+            str(tiny_path), train_dataset=arithmetic.sft_rows(16), batch_size=8, max_steps=1, callbacks=[seen], **QUIET
+        ).train()
     assert any("packing=on" in r.getMessage() and "prune_last_layer=on" in r.getMessage() for r in caplog.records)
     assert seen.params["speed/packing"] is True and seen.params["speed/prune_last_layer"] is True
 
@@ -87,8 +89,15 @@ def test_an_attention_without_packed_masks_falls_back_to_padded_rows_and_trains(
     model = load_causal_lm(tiny_path)
     model.set_attn_implementation(custom_attention)
     with caplog.at_level(logging.INFO, logger="verl_core"):
-        trainer = SFTTrainer(model, load_tokenizer(tiny_path), train_dataset=arithmetic.sft_rows(16), batch_size=8,
-                             max_steps=3, learning_rate=3e-3, **QUIET)
+        trainer = SFTTrainer(
+            model,
+            load_tokenizer(tiny_path),
+            train_dataset=arithmetic.sft_rows(16),
+            batch_size=8,
+            max_steps=3,
+            learning_rate=3e-3,
+            **QUIET,
+        )
     assert not trainer.config.packing and "my_attention" in trainer.speed_features["fallbacks"]["packing"]
     assert [r for r in caplog.records if "packing is off" in r.getMessage()]
     assert "packed_index" not in trainer.collate(trainer.train_examples[:2])
@@ -127,18 +136,29 @@ def test_the_seeds_one_row_dpo_example_runs_verbatim(tiny_path, caplog):
     model = AutoModelForCausalLM.from_pretrained(tiny_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     with caplog.at_level(logging.WARNING, logger="verl_core"):
-        trainer = DPOTrainer(model=model, tokenizer=tokenizer, train_dataset=[{
-            "prompt": "解释一下机器学习",
-            "chosen": "机器学习是人工智能的一个分支，让计算机从数据中学习规律。",
-            "rejected": "不知道。",
-        }], beta=0.1, learning_rate=1e-4, batch_size=16, num_epochs=1)
+        trainer = DPOTrainer(
+            model=model,
+            tokenizer=tokenizer,
+            train_dataset=[
+                {
+                    "prompt": "解释一下机器学习",
+                    "chosen": "机器学习是人工智能的一个分支，让计算机从数据中学习规律。",
+                    "rejected": "不知道。",
+                }
+            ],
+            beta=0.1,
+            learning_rate=1e-4,
+            batch_size=16,
+            num_epochs=1,
+        )
     assert [r for r in caplog.records if "fewer than batch_size 16" in r.getMessage()]
     result = trainer.train()
     assert result.steps == 1 and abs(result.metrics["loss"] - 0.6931) < 1e-3
 
 
 def test_fewer_rows_than_batch_size_train_on_what_there_is(tiny_path):
-    trainer = SFTTrainer(str(tiny_path), train_dataset=arithmetic.sft_rows(5), batch_size=16, gradient_accumulation_steps=2,
-                         max_steps=2, **QUIET)
+    trainer = SFTTrainer(
+        str(tiny_path), train_dataset=arithmetic.sft_rows(5), batch_size=16, gradient_accumulation_steps=2, max_steps=2, **QUIET
+    )
     assert trainer.config.batch_size == 4 and trainer.config.gradient_accumulation_steps == 2
     assert trainer.train().steps == 2

@@ -1,4 +1,5 @@
 """Stage functions without Prefect: config, records, fingerprints, cache keys, skipping, reuse."""
+
 from __future__ import annotations
 
 import json
@@ -50,7 +51,9 @@ def test_pipeline_sections_take_their_defaults_from_the_trainer_configs_except_t
 
 
 def test_dotted_overrides_are_typed_and_unknown_keys_rejected():
-    cfg = load_pipeline_config(ROOT / "configs" / "default.yaml", ["sft.max_steps=7", "sft.model_path=null", "reward_model.enabled=false"])
+    cfg = load_pipeline_config(
+        ROOT / "configs" / "default.yaml", ["sft.max_steps=7", "sft.model_path=null", "reward_model.enabled=false"]
+    )
     assert cfg.sft.max_steps == 7 and cfg.sft.model_path is None and cfg.reward_model.enabled is False
     with pytest.raises(ConfigError, match="unknown key"):
         load_pipeline_config(None, ["sft.max_stepz=7"])
@@ -66,8 +69,10 @@ def test_every_selectable_variant_has_a_config_section_and_a_registered_stage():
         if name != "none":
             assert stage_for(cfg, "policy_optimisation").name == f"policy_optimisation:{name}"
     for method in get_args(PreferenceMethod):
-        assert stage_for(load_pipeline_config(None, [f"preference_data.method={method}"]), "preference_data").name == \
-            f"preference_data:{method}"
+        assert (
+            stage_for(load_pipeline_config(None, [f"preference_data.method={method}"]), "preference_data").name
+            == f"preference_data:{method}"
+        )
     with pytest.raises(ConfigError, match="algorithm"):
         load_pipeline_config(None, ["policy_optimisation.algorithm=reinforce"])
 
@@ -83,8 +88,15 @@ def test_only_the_selected_algorithms_section_enters_the_policy_stage_key():
 
 
 def test_stage_record_round_trips_through_json():
-    rec = StageRecord(stage="sft", output_path="/a/model", fingerprint="f" * 64, metrics={"loss": 0.5},
-                      mlflow_run_id="abc", cache_key="k", extra={"steps": 3})
+    rec = StageRecord(
+        stage="sft",
+        output_path="/a/model",
+        fingerprint="f" * 64,
+        metrics={"loss": 0.5},
+        mlflow_run_id="abc",
+        cache_key="k",
+        extra={"steps": 3},
+    )
     assert StageRecord.model_validate_json(rec.model_dump_json()) == rec
 
 
@@ -133,7 +145,9 @@ def test_given_outputs_skip_their_stage(tmp_path):
     model = tmp_path / "my-sft"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    cfg = load_pipeline_config(None, [f"sft.model_path={model}", "reward_model.enabled=false", "policy_optimisation.algorithm=none"])
+    cfg = load_pipeline_config(
+        None, [f"sft.model_path={model}", "reward_model.enabled=false", "policy_optimisation.algorithm=none"]
+    )
     rec = given_record(cfg, "sft")
     assert rec.given and rec.output_path == str(model) and rec.fingerprint == fingerprint_path(model)
     assert given_record(cfg, "preference_data") is None

@@ -7,6 +7,7 @@ Every policy-optimisation algorithm's trainer and config class is exported here 
 algorithm registry (:data:`verl_core.algorithms.registry.ALGORITHMS`). This package never
 imports Prefect or MLflow; the pipeline layer lives in :mod:`verl_core.pipeline`.
 """
+
 from verl_core.algorithms.ppo import Trainer
 from verl_core.algorithms.registry import ALGORITHMS, Algorithm, get_algorithm
 from verl_core.algorithms.reward_model import RewardConfig, RewardTrainer
@@ -23,9 +24,29 @@ _ALGORITHM_EXPORTS = {cls.__name__: cls for a in ALGORITHMS.values() for cls in 
 globals().update(_ALGORITHM_EXPORTS)
 
 __all__ = [
-    "ALGORITHMS", "Algorithm", "Callback", "ConfigError", "ConsoleCallback", "DataError", "Engine", "LoraSettings",
-    "LossOutput", "MLflowCallback", "ModelLoadError", "RewardConfig", "RewardTrainer", "SFTConfig", "SFTTrainer",
-    "TrainConfig", "TrainResult", "Trainer", "TrainingError", "get_algorithm", "load_causal_lm", "load_reward_model",
-    "load_tokenizer", "tiny_model_path",
+    "ALGORITHMS",
+    "Algorithm",
+    "Callback",
+    "ConfigError",
+    "ConsoleCallback",
+    "DataError",
+    "Engine",
+    "LoraSettings",
+    "LossOutput",
+    "MLflowCallback",
+    "ModelLoadError",
+    "RewardConfig",
+    "RewardTrainer",
+    "SFTConfig",
+    "SFTTrainer",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "TrainingError",
+    "get_algorithm",
+    "load_causal_lm",
+    "load_reward_model",
+    "load_tokenizer",
+    "tiny_model_path",
 ]
 __all__ += sorted(_ALGORITHM_EXPORTS)

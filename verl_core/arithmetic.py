@@ -4,6 +4,7 @@ Every row carries its ground-truth answer, so rewards are exact (rule-based) and
 accuracy is measurable. Completions follow the GSM8K convention: a worked line,
 then ``#### <answer>``.
 """
+
 from __future__ import annotations
 
 import random

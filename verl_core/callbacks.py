@@ -1,4 +1,5 @@
 """Metric callbacks: the kernel reports numbers here and never needs a tracking server."""
+
 from __future__ import annotations
 
 import logging
@@ -56,7 +57,7 @@ class MLflowCallback(Callback):
         existing = self.client.get_run(self.run_id).data.params
         fresh = [Param(k, v) for k, v in flat.items() if k not in existing]
         for i in range(0, len(fresh), 100):
-            self.client.log_batch(self.run_id, params=fresh[i:i + 100])
+            self.client.log_batch(self.run_id, params=fresh[i : i + 100])
 
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
         import time

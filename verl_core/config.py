@@ -1,4 +1,5 @@
 """Typed configuration: pydantic models that reject unknown keys and load from YAML."""
+
 from __future__ import annotations
 
 from pathlib import Path

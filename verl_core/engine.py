@@ -9,6 +9,7 @@ Data order is a pure function of (seed, step): step ``s`` reads the ``s``-th glo
 batch of a seeded permutation per epoch. A checkpoint therefore needs no data-loader
 state, and resume is exact: model, optimizer, scheduler, RNG states and step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,69 +17,23 @@ import json
 import logging
 import math
 import shutil
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any
 
 import torch
-from pydantic import Field, field_validator, model_validator
 
 from verl_core.callbacks import Callback, HistoryCallback
-from verl_core.config import StrictConfig
-from verl_core.precision import allow_precision_change, resolve_mixed_precision
+from verl_core.checkpoints import CHECKPOINT_PREFIX, CHECKPOINTS_DIR, ENGINE_STATE, checkpoint_step, latest_checkpoint  # noqa: F401
+from verl_core.precision import allow_precision_change
+from verl_core.train_config import TrainConfig
 
 log = logging.getLogger("verl_core")
-CHECKPOINTS_DIR = "checkpoints"
-CHECKPOINT_PREFIX = "step-"
-ENGINE_STATE = "engine_state.json"
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (non-finite loss, too little data, ...)."""
-
-
-class TrainConfig(StrictConfig):
-    """Optimisation settings shared by every algorithm."""
-
-    learning_rate: float = Field(1e-4, gt=0)
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    max_steps: int | None = Field(None, ge=1)
-    num_epochs: float | None = Field(None, gt=0)
-    batch_size: int = Field(16, ge=1, description="global batch per optimizer step: all processes and micro-batches")
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    max_grad_norm: float | None = 1.0
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
-        "no", description="'auto': bf16 where it is fast (GPU, or a CPU with AVX512-BF16/AMX), else no (fp32)")
-    gradient_checkpointing: bool = False
-    offload_optimizer: bool = Field(False, description="DeepSpeed ZeRO optimizer offload under `accelerate launch` with a DeepSpeed config; no effect in one CPU process")
-    seed: int = 0
-    output_dir: str | None = None
-    save_steps: int | None = Field(None, ge=1)
-    save_total_limit: int = Field(2, ge=1)
-    resume: bool = True
-    logging_steps: int = Field(10, ge=1)
-    eval_steps: int | None = Field(None, ge=1)
-    progress: bool = True
-
-    @field_validator("mixed_precision", mode="before")
-    @classmethod
-    def _yaml_no(cls, value):
-        # YAML 1.1 reads a bare `no` as False
-        return "no" if value is False else value
-
-    @model_validator(mode="after")
-    def _resolve_precision(self):
-        self.__dict__["mixed_precision"] = resolve_mixed_precision(self.mixed_precision)
-        return self
-
-    @model_validator(mode="after")
-    def _one_length(self):
-        if self.max_steps is None and self.num_epochs is None:
-            self.__dict__["num_epochs"] = 1.0
-        return self
 
 
 @dataclass
@@ -129,11 +84,11 @@ def micro_batch_indices(n_rows: int, step: int, batch_size: int, seed: int, rank
     per_epoch = n_rows // batch_size
     epoch, k = divmod(step, per_epoch)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(n_rows, generator=gen)[k * batch_size:(k + 1) * batch_size].tolist()
+    order = torch.randperm(n_rows, generator=gen)[k * batch_size : (k + 1) * batch_size].tolist()
     per_rank = batch_size // world
-    mine = order[rank * per_rank:(rank + 1) * per_rank]
+    mine = order[rank * per_rank : (rank + 1) * per_rank]
     micro = per_rank // accum
-    return [mine[i * micro:(i + 1) * micro] for i in range(accum)]
+    return [mine[i * micro : (i + 1) * micro] for i in range(accum)]
 
 
 class Engine:
@@ -141,8 +96,14 @@ class Engine:
     steps; each makes ``updates_per_step`` optimizer steps (1 offline, ``ppo_epochs × mini-batches``
     online), and the learning-rate schedule spans all of those."""
 
-    def __init__(self, model: torch.nn.Module, config: TrainConfig, callbacks: Sequence[Callback] = (),
-                 total_steps: int | None = None, updates_per_step: int = 1):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: TrainConfig,
+        callbacks: Sequence[Callback] = (),
+        total_steps: int | None = None,
+        updates_per_step: int = 1,
+    ):
         from accelerate import Accelerator
         from accelerate.utils import set_seed
         from transformers import get_scheduler
@@ -150,13 +111,20 @@ class Engine:
         self.config = config
         self.callbacks = list(callbacks)
         allow_precision_change(config.mixed_precision)
-        self.accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available(),
-                                       step_scheduler_with_optimizer=False)
+        self.accelerator = Accelerator(
+            mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available(), step_scheduler_with_optimizer=False
+        )
         set_seed(config.seed)
         world, accum = self.accelerator.num_processes, config.gradient_accumulation_steps
         if config.batch_size % (world * accum):
-            raise TrainingError(f"batch_size {config.batch_size} is not divisible by processes ({world}) × gradient_accumulation_steps ({accum})")
-        if config.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable") and not getattr(model, "is_gradient_checkpointing", False):
+            raise TrainingError(
+                f"batch_size {config.batch_size} is not divisible by processes ({world}) × gradient_accumulation_steps ({accum})"
+            )
+        if (
+            config.gradient_checkpointing
+            and hasattr(model, "gradient_checkpointing_enable")
+            and not getattr(model, "is_gradient_checkpointing", False)
+        ):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
@@ -166,8 +134,9 @@ class Engine:
         self.total_steps = total_steps or config.max_steps or 1
         self.total_optimizer_steps = self.total_steps * updates_per_step
         name = config.lr_scheduler if config.lr_scheduler != "constant" else "constant_with_warmup"
-        self.scheduler = get_scheduler(name, self.optimizer, num_warmup_steps=config.warmup_steps,
-                                       num_training_steps=self.total_optimizer_steps)
+        self.scheduler = get_scheduler(
+            name, self.optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=self.total_optimizer_steps
+        )
         self.progress = _Progress()
         self.accelerator.register_for_checkpointing(self.scheduler, self.progress)
         self.params = params
@@ -205,15 +174,19 @@ class Engine:
             with ctx:
                 out = loss_fn(self.model, _to_device(mb, acc.device))
                 if not torch.isfinite(out.loss_sum.detach()):
-                    raise TrainingError(f"non-finite loss ({out.loss_sum.item()}) at step {self.step + 1}, micro-batch {i}; "
-                                        "lower the learning rate or check the data; nothing was saved for this step")
+                    raise TrainingError(
+                        f"non-finite loss ({out.loss_sum.item()}) at step {self.step + 1}, micro-batch {i}; "
+                        "lower the learning rate or check the data; nothing was saved for this step"
+                    )
                 acc.backward(out.loss_sum)
             count = float(out.count)
             total_count += count
             loss_sum += float(out.loss_sum.detach())
             for k, v in out.metrics.items():
                 weighted[k] = weighted.get(k, 0.0) + float(v) * count
-        stats = torch.tensor([total_count.item(), loss_sum] + [weighted[k] for k in sorted(weighted)], dtype=torch.float64, device=acc.device)
+        stats = torch.tensor(
+            [total_count.item(), loss_sum] + [weighted[k] for k in sorted(weighted)], dtype=torch.float64, device=acc.device
+        )
         stats = acc.reduce(stats, reduction="sum") if acc.num_processes > 1 else stats
         global_count = stats[0].item()
         if global_count <= 0:
@@ -238,8 +211,14 @@ class Engine:
         return metrics
 
     # -- the loop ---------------------------------------------------------------------------
-    def run(self, step_fn: StepFn, eval_fn: EvalFn | None = None, params: dict[str, Any] | None = None,
-            desc: str = "train", progress_key: str = "loss") -> TrainResult:
+    def run(
+        self,
+        step_fn: StepFn,
+        eval_fn: EvalFn | None = None,
+        params: dict[str, Any] | None = None,
+        desc: str = "train",
+        progress_key: str = "loss",
+    ) -> TrainResult:
         """Call ``step_fn(step)`` (one loop step's optimizer steps; returns its metrics) for each loop
         step from the resumed one to ``total_steps - 1``. The loop owns resume, the progress bar, metric
         means over ``logging_steps``, ``eval_fn()`` every ``eval_steps`` and at the end, checkpoints
@@ -252,7 +231,9 @@ class Engine:
         self.resumed_from_step = self.maybe_resume()
         for cb in callbacks:
             cb.on_train_begin({**cfg.model_dump(), **(params or {})})
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), desc=desc, dynamic_ncols=True)
+        bar = tqdm(
+            total=self.total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), desc=desc, dynamic_ncols=True
+        )
         last: dict[str, float] = {}
         window: list[dict[str, float]] = []
         status = "FAILED"
@@ -290,20 +271,37 @@ class Engine:
             bar.close()
             for cb in callbacks:
                 cb.on_train_end(status, last)
-        return TrainResult(steps=self.step, metrics=last, history=history.history, output_dir=cfg.output_dir,
-                           resumed_from_step=self.resumed_from_step)
+        return TrainResult(
+            steps=self.step,
+            metrics=last,
+            history=history.history,
+            output_dir=cfg.output_dir,
+            resumed_from_step=self.resumed_from_step,
+        )
 
-    def fit(self, examples: Sequence[Any], collate: Callable[[list], Any], loss_fn: LossFn,
-            eval_fn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
-            params: dict[str, Any] | None = None) -> TrainResult:
+    def fit(
+        self,
+        examples: Sequence[Any],
+        collate: Callable[[list], Any],
+        loss_fn: LossFn,
+        eval_fn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> TrainResult:
         """Offline training: each loop step is one optimizer step on the step's global batch of ``examples``."""
         cfg, acc = self.config, self.accelerator
         if len(examples) < cfg.batch_size:
             raise TrainingError(f"dataset has {len(examples)} rows, fewer than batch_size {cfg.batch_size}")
 
         def step_fn(step: int) -> dict[str, float]:
-            idx = micro_batch_indices(len(examples), step, cfg.batch_size, cfg.seed, acc.process_index, acc.num_processes,
-                                      cfg.gradient_accumulation_steps)
+            idx = micro_batch_indices(
+                len(examples),
+                step,
+                cfg.batch_size,
+                cfg.seed,
+                acc.process_index,
+                acc.num_processes,
+                cfg.gradient_accumulation_steps,
+            )
             return self.optimizer_step([collate([examples[i] for i in mb]) for mb in idx], loss_fn)
 
         return self.run(step_fn, eval_fn=(lambda: eval_fn(self.unwrapped)) if eval_fn is not None else None, params=params)
@@ -333,8 +331,12 @@ class Engine:
         acc.save_state(str(tmp), safe_serialization=True)
         acc.wait_for_everyone()
         if self.is_main:
-            state = {"step": self.step, "total_steps": self.total_steps, "optimizer_steps": self.optimizer_steps,
-                     "total_optimizer_steps": self.total_optimizer_steps}
+            state = {
+                "step": self.step,
+                "total_steps": self.total_steps,
+                "optimizer_steps": self.optimizer_steps,
+                "total_optimizer_steps": self.total_optimizer_steps,
+            }
             (tmp / ENGINE_STATE).write_text(json.dumps(state))
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
@@ -353,25 +355,13 @@ class Engine:
         state = json.loads((ckpt / ENGINE_STATE).read_text())
         made_for = (state["total_steps"], state.get("total_optimizer_steps", self.total_optimizer_steps))
         if made_for != (self.total_steps, self.total_optimizer_steps):
-            raise TrainingError(f"checkpoint {ckpt} was made for {made_for[0]} steps ({made_for[1]} optimizer steps), this run "
-                                f"has {self.total_steps} ({self.total_optimizer_steps}); use a new output_dir or set resume=False")
+            raise TrainingError(
+                f"checkpoint {ckpt} was made for {made_for[0]} steps ({made_for[1]} optimizer steps), this run "
+                f"has {self.total_steps} ({self.total_optimizer_steps}); use a new output_dir or set resume=False"
+            )
         self.accelerator.load_state(str(ckpt))
         log.info("resumed from %s at step %d", ckpt, self.step)
         return self.step
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``output_dir/checkpoints`` (one with its engine state), or None."""
-    root = Path(output_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.glob(f"{CHECKPOINT_PREFIX}*") if (p / ENGINE_STATE).is_file())
-    return done[-1] if done else None
-
-
-def checkpoint_step(path: str | Path) -> int:
-    """The loop step a checkpoint folder was written at."""
-    return int(json.loads((Path(path) / ENGINE_STATE).read_text())["step"])
 
 
 def _mean(window: list[dict[str, float]]) -> dict[str, float]:
@@ -395,4 +385,3 @@ def _to_device(batch, device):
     if isinstance(batch, dict):
         return {k: _to_device(v, device) for k, v in batch.items()}
     return batch
-

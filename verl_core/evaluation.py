@@ -1,4 +1,5 @@
 """Held-out evaluation: greedy answers scored by a rule reward, pairwise preference accuracy."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -10,25 +11,34 @@ from verl_core.packing import model_token_logprobs
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int = 32, batch_size: int = 64) -> list[str]:
+def greedy_completions(
+    model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int = 32, batch_size: int = 64
+) -> list[str]:
     """Greedy decode (KV cache, left padding, stop at EOS) and return the decoded completions."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     texts: list[str] = []
     for start in range(0, len(prompt_ids), batch_size):
-        chunk = prompt_ids[start:start + batch_size]
+        chunk = prompt_ids[start : start + batch_size]
         ids = pad_to(chunk, tokenizer.pad_token_id, side="left").to(device)
         mask = pad_to([[1] * len(p) for p in chunk], 0, side="left").to(device)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        texts += tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        texts += tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
     model.train(was_training)
     return texts
 
 
-def answer_rewards(model, tokenizer, rows: Any, reward: str = "exact_match",
-                   max_new_tokens: int = 32) -> tuple[list[str], list[float]]:
+def answer_rewards(
+    model, tokenizer, rows: Any, reward: str = "exact_match", max_new_tokens: int = 32
+) -> tuple[list[str], list[float]]:
     """Greedy answers to prompt rows carrying ``ground_truth``, and each answer's rule reward."""
     from verl_core.rewards.rules import get_rule_reward
 
@@ -57,10 +67,10 @@ def preference_margins(model, tokenizer, rows: Any, batch_size: int = 64, max_le
     examples = tokenize_pairs(rows, tokenizer, max_length)
     out = []
     for start in range(0, len(examples), batch_size):
-        chunk = examples[start:start + batch_size]
+        chunk = examples[start : start + batch_size]
         batch = collate_pairs(chunk, tokenizer.pad_token_id)
         lp = (model_token_logprobs(model, batch) * batch["loss_mask"]).sum(-1)
-        out.append((lp[: len(chunk)] - lp[len(chunk):]).float())
+        out.append((lp[: len(chunk)] - lp[len(chunk) :]).float())
     model.train(was_training)
     return torch.cat(out)
 
@@ -74,7 +84,7 @@ def reward_model_accuracy(reward_model, tokenizer, rows: Any, batch_size: int = 
     examples = tokenize_pairs(rows, tokenizer, max_length)
     wins = 0
     for start in range(0, len(examples), batch_size):
-        c, r = pair_rewards(reward_model, collate_pairs(examples[start:start + batch_size], tokenizer.pad_token_id))
+        c, r = pair_rewards(reward_model, collate_pairs(examples[start : start + batch_size], tokenizer.pad_token_id))
         wins += int((c > r).sum())
     reward_model.train(was_training)
     return wins / len(examples)

@@ -1,4 +1,5 @@
 """Content fingerprints of files and folders: what cache keys and provenance records hash."""
+
 from __future__ import annotations
 
 import hashlib
@@ -14,8 +15,11 @@ def fingerprint_path(path: str | os.PathLike, suffixes: tuple[str, ...] | None =
     if p.is_file():
         files, base = [p], p.parent
     elif p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith(".tmp")
-                       and (suffixes is None or f.name.endswith(suffixes)))
+        files = sorted(
+            f
+            for f in p.rglob("*")
+            if f.is_file() and not f.name.startswith(".tmp") and (suffixes is None or f.name.endswith(suffixes))
+        )
         base = p
     else:
         return hashlib.sha256(f"remote:{path}".encode()).hexdigest()

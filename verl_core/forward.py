@@ -4,11 +4,12 @@ last-layer pruning (the last decoder layer computes its output only where it is 
 Pruning uses module hooks only (no replaced ``forward``, no re-implemented layer), so a model
 keeps its own attention kernel, rotary embeddings and gradient checkpointing code.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -18,8 +19,7 @@ log = logging.getLogger("verl_core")
 # norms, a dense MLP) and to use ``o_proj``'s output only in the layer's own residual stream:
 # gathering o_proj's input and the MLP's input at kept positions then changes nothing there.
 # tests/test_packing.py builds each one and compares pruned and full log-probs.
-PRUNABLE_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-                   "GemmaDecoderLayer")
+PRUNABLE_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "GemmaDecoderLayer")
 # Lowest and highest transformers major version those checks ran on (5.24). A 4.x install (the
 # project's floor is 4.56) runs unpruned until tests/test_packing.py has passed on it.
 TESTED_TRANSFORMERS_MAJOR = (5, 5)
@@ -58,8 +58,9 @@ def _last_decoder_layer(model: torch.nn.Module) -> tuple[torch.nn.Module | None,
     name = type(layer).__name__
     if name not in PRUNABLE_LAYERS:
         return None, f"{name} is not a known decoder layer (verl_core.forward.PRUNABLE_LAYERS)"
-    if not isinstance(getattr(getattr(layer, "self_attn", None), "o_proj", None), torch.nn.Module) \
-            or not isinstance(getattr(layer, "mlp", None), torch.nn.Module):
+    if not isinstance(getattr(getattr(layer, "self_attn", None), "o_proj", None), torch.nn.Module) or not isinstance(
+        getattr(layer, "mlp", None), torch.nn.Module
+    ):
         return None, f"{name} lacks self_attn.o_proj or mlp"
     return layer, None
 

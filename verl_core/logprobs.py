@@ -7,6 +7,7 @@ one chunk of rows is ever upcast, and only the log-normaliser is kept:
 Pure tensor math, no model: running a model on a batch is
 :func:`verl_core.packing.model_token_logprobs`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,8 @@ def selected_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: in
     flat_labels = labels.reshape(-1)
     out = []
     for start in range(0, flat_logits.shape[0], chunk_rows):
-        z = flat_logits[start:start + chunk_rows].float()
-        y = flat_labels[start:start + chunk_rows]
+        z = flat_logits[start : start + chunk_rows].float()
+        y = flat_labels[start : start + chunk_rows]
         out.append(z.gather(-1, y[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1))
     return torch.cat(out).reshape(labels.shape)
 
@@ -31,7 +32,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_rows: int = CHUNK_ROWS) -> t
     flat = logits.reshape(-1, logits.shape[-1])
     out = []
     for start in range(0, flat.shape[0], chunk_rows):
-        z = flat[start:start + chunk_rows].float()
+        z = flat[start : start + chunk_rows].float()
         out.append(torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1))
     return torch.cat(out).reshape(logits.shape[:-1])
 

@@ -1,4 +1,5 @@
 """Load policy, reference, critic and reward models from a local folder or a hub id."""
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,14 @@ def _from_pretrained(auto_cls, path, dtype: DType, trust_remote_code: bool, **kw
         raise ModelLoadError(f"cannot load {auto_cls.__name__} from {source}: {err}") from None
 
 
-def load_causal_lm(path: str | os.PathLike, dtype: DType = "float32", gradient_checkpointing: bool = False,
-                   lora: LoraSettings | None = None, trust_remote_code: bool = False, trainable: bool = True):
+def load_causal_lm(
+    path: str | os.PathLike,
+    dtype: DType = "float32",
+    gradient_checkpointing: bool = False,
+    lora: LoraSettings | None = None,
+    trust_remote_code: bool = False,
+    trainable: bool = True,
+):
     """A causal LM for a policy (``trainable=True``) or a frozen reference (``trainable=False``)."""
     from transformers import AutoModelForCausalLM
 
@@ -70,8 +77,14 @@ def load_causal_lm(path: str | os.PathLike, dtype: DType = "float32", gradient_c
     return _prepare(model, gradient_checkpointing, lora, trainable, task_type="CAUSAL_LM")
 
 
-def load_reward_model(path: str | os.PathLike, dtype: DType = "float32", gradient_checkpointing: bool = False,
-                      lora: LoraSettings | None = None, trust_remote_code: bool = False, trainable: bool = True):
+def load_reward_model(
+    path: str | os.PathLike,
+    dtype: DType = "float32",
+    gradient_checkpointing: bool = False,
+    lora: LoraSettings | None = None,
+    trust_remote_code: bool = False,
+    trainable: bool = True,
+):
     """A sequence classifier with one output (``num_labels=1``): the scalar reward at the last token.
 
     Loading a causal LM folder adds a freshly initialised score head (seed it first).
@@ -94,8 +107,9 @@ def _prepare(model, gradient_checkpointing: bool, lora: LoraSettings | None, tra
     if lora is not None:
         from peft import LoraConfig, get_peft_model
 
-        cfg = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                         target_modules=lora.target_modules, task_type=task_type)
+        cfg = LoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules, task_type=task_type
+        )
         model = get_peft_model(model, cfg)
     model.train()
     return model

@@ -1,9 +1,11 @@
 """The policy that online RL trains: a causal LM, its tokenizer and a way to sample from it."""
+
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -29,16 +31,22 @@ class LLMPolicy:
         self.source = source
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: DType = "float32", lora: LoraSettings | None = None,
-                        trust_remote_code: bool = False) -> "LLMPolicy":
+    def from_pretrained(
+        cls, path: str | os.PathLike, dtype: DType = "float32", lora: LoraSettings | None = None, trust_remote_code: bool = False
+    ) -> LLMPolicy:
         model = load_causal_lm(path, dtype=dtype, lora=lora, trust_remote_code=trust_remote_code)
         return cls(model, load_tokenizer(path, trust_remote_code=trust_remote_code), str(path))
 
     def rollout_backend(self, autocast_dtype: torch.dtype | None = None) -> HFRolloutBackend:
         return HFRolloutBackend(self.model, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, autocast_dtype)
 
-    def generate(self, prompts: Sequence[str] | Sequence[dict], sampling: SamplingParams | None = None,
-                 seed: int = 0, **sampling_overrides: Any) -> list[str]:
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[dict],
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+        **sampling_overrides: Any,
+    ) -> list[str]:
         """Sample ``n`` completions per prompt (prompt strings or prompt rows); ``n`` per prompt, in order."""
         params = sampling or SamplingParams()
         if sampling_overrides:

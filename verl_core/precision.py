@@ -4,6 +4,7 @@ On CPUs, bf16 matmuls are fast only with AVX512-BF16 or AMX; elsewhere (e.g. AVX
 cores) PyTorch falls back to kernels that are 6-10x *slower* than fp32 (measured on an
 AVX2 EPYC: 65 GFLOP/s fp32 vs 6-10 GFLOP/s bf16 for the default model's shapes).
 """
+
 from __future__ import annotations
 
 import functools
@@ -13,7 +14,7 @@ import torch
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_has_fast_bf16() -> bool:
     """AVX512-BF16 or AMX tiles (torch's own CPU probes; /proc/cpuinfo flags as a fallback)."""
     try:

@@ -22,10 +22,12 @@ The HF backend is a hand-written KV-cache loop rather than ``model.generate`` so
 random stream (one ``torch.Generator``), the stopping rule and the log-probs are exact and
 under our control. A vLLM or SGLang backend implements :class:`RolloutBackend` instead.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from pydantic import Field
@@ -81,7 +83,7 @@ class RolloutBatch:
     def prompt_lists(self) -> list[list[int]]:
         return [p[m.bool()].tolist() for p, m in zip(self.prompt_ids, self.prompt_mask)]
 
-    def to(self, device) -> "RolloutBatch":
+    def to(self, device) -> RolloutBatch:
         return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
@@ -129,8 +131,13 @@ class HFRolloutBackend:
     sampling distribution and log-probs are always computed in fp32 from the logits.
     """
 
-    def __init__(self, model: torch.nn.Module, eos_token_id: int | Sequence[int], pad_token_id: int,
-                 autocast_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eos_token_id: int | Sequence[int],
+        pad_token_id: int,
+        autocast_dtype: torch.dtype | None = None,
+    ):
         self.model = model
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.eos_ids = torch.tensor(eos, dtype=torch.long)
@@ -153,8 +160,10 @@ class HFRolloutBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            chunks = [self._generate_chunk(rows[s:s + params.batch_size], params, gen, device)
-                      for s in range(0, len(rows), params.batch_size)]
+            chunks = [
+                self._generate_chunk(rows[s : s + params.batch_size], params, gen, device)
+                for s in range(0, len(rows), params.batch_size)
+            ]
         finally:
             self.model.train(was_training)
         batch = _concat(chunks, self.pad_token_id)
@@ -172,8 +181,9 @@ class HFRolloutBackend:
                 out = self.model(**kwargs, use_cache=True)
         return out.logits[:, -1], out.get(self._cache_kw)
 
-    def _generate_chunk(self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator,
-                        device: torch.device) -> RolloutBatch:
+    def _generate_chunk(
+        self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator, device: torch.device
+    ) -> RolloutBatch:
         n = len(rows)
         # The n samples of a prompt share ONE prefill: each distinct prompt is run once, then its KV
         # cache and first logits are copied to every row that samples from it.
@@ -207,9 +217,15 @@ class HFRolloutBackend:
             mask = torch.cat([mask, alive[-1].long()[:, None]], 1)
             logits, cache = self._forward(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, cache=cache)
             next_pos = next_pos + 1
-        batch = RolloutBatch(prompt_ids=prompt, prompt_mask=prompt_mask, response_ids=torch.stack(tokens, 1),
-                             response_mask=torch.stack(alive, 1).long(), logprobs=torch.stack(logps, 1),
-                             group_index=torch.zeros(n, dtype=torch.long, device=device), finished=done)
+        batch = RolloutBatch(
+            prompt_ids=prompt,
+            prompt_mask=prompt_mask,
+            response_ids=torch.stack(tokens, 1),
+            response_mask=torch.stack(alive, 1).long(),
+            logprobs=torch.stack(logps, 1),
+            group_index=torch.zeros(n, dtype=torch.long, device=device),
+            finished=done,
+        )
         return batch
 
 

@@ -4,6 +4,7 @@ Both are built deterministically from a seed and saved with ``save_pretrained`` 
 a cache folder, so every code path loads them through ``from_pretrained`` exactly
 like a user's model. Nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -66,9 +67,7 @@ def build_tokenizer(vocab_size: int = 384):
         show_progress=False,
     )
     tok.train_from_iterator(arithmetic.corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", model_max_length=1024
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", model_max_length=1024)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 

@@ -1,12 +1,14 @@
 """What every offline algorithm shares: config merge, model loading, tokenization, the
 engine run, and an atomic save of the final model. An algorithm overrides four small
 methods: ``load_model``, ``tokenize``, ``collate`` and ``loss``."""
+
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Sequence
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -26,21 +28,32 @@ class PackingSettings(StrictConfig):
     position ids and a block-diagonal causal mask, so no pad token is computed. Losses equal
     the padded layout's (tests/test_packing.py)."""
 
-    packing: bool = Field(True, description="padding-free packed batches (the default fast path); False: padded rows. "
-                                            "A model whose attention takes no packed mask falls back to padded rows")
+    packing: bool = Field(
+        True,
+        description="padding-free packed batches (the default fast path); False: padded rows. "
+        "A model whose attention takes no packed mask falls back to padded rows",
+    )
     packing_row_tokens: Annotated[int, Field(ge=1)] | Literal["longest"] | None = Field(
-        "longest", description="tokens per packed row: 'longest' = the batch's longest sequence (no row attends over "
-                               "more than padding would), a number, or null for one row")
-    prune_last_layer: bool = Field(True, description="with packing: the last decoder layer runs o_proj and its MLP only "
-                                                     "where the loss reads a logit or score (verl_core.forward.PRUNABLE_LAYERS; "
-                                                     "other models run it in full)")
+        "longest",
+        description="tokens per packed row: 'longest' = the batch's longest sequence (no row attends over "
+        "more than padding would), a number, or null for one row",
+    )
+    prune_last_layer: bool = Field(
+        True,
+        description="with packing: the last decoder layer runs o_proj and its MLP only "
+        "where the loss reads a logit or score (verl_core.forward.PRUNABLE_LAYERS; "
+        "other models run it in full)",
+    )
 
 
 class PairPackingSettings(PackingSettings):
     """:class:`PackingSettings` for batches of two completions per prompt (pairs, KTO's KL rows)."""
 
-    share_prompt: bool = Field(True, description="with packing: each prompt computed once, both completions branch "
-                                                 "from it (prefix sharing; sdpa or eager attention, else it falls back)")
+    share_prompt: bool = Field(
+        True,
+        description="with packing: each prompt computed once, both completions branch "
+        "from it (prefix sharing; sdpa or eager attention, else it falls back)",
+    )
 
 
 def resolve_config(config_cls: type[TrainConfig], config: TrainConfig | dict | None, overrides: dict[str, Any]) -> TrainConfig:
@@ -62,8 +75,16 @@ class OfflineTrainer:
     config_cls: ClassVar[type[TrainConfig]] = TrainConfig
     needs_score_head: ClassVar[bool] = False  # a reward model: packing reads its per-token score head
 
-    def __init__(self, model: Any, tokenizer: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
-                 config: TrainConfig | dict | None = None, callbacks: Sequence[Callback] = (), **overrides: Any):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        config: TrainConfig | dict | None = None,
+        callbacks: Sequence[Callback] = (),
+        **overrides: Any,
+    ):
         self.config = resolve_config(self.config_cls, config, overrides)
         if train_dataset is None:
             raise ConfigError(f"{type(self).__name__} needs a train_dataset")
@@ -95,8 +116,13 @@ class OfflineTrainer:
         size = n - n % (world * accum)
         if size == 0:
             raise TrainingError(f"the dataset has {n} rows, too few to give each of {world} processes one")
-        log.warning("%s: the dataset has %d rows, fewer than batch_size %d; training on batches of %d",
-                    type(self).__name__, n, c.batch_size, size)
+        log.warning(
+            "%s: the dataset has %d rows, fewer than batch_size %d; training on batches of %d",
+            type(self).__name__,
+            n,
+            c.batch_size,
+            size,
+        )
         self.config = c.model_copy(update={"batch_size": size, "gradient_accumulation_steps": accum})
 
     # -- what an algorithm provides --------------------------------------------------------
@@ -123,7 +149,7 @@ class OfflineTrainer:
         bs = max(1, self.config.batch_size // self.config.gradient_accumulation_steps)
         with torch.no_grad():
             for start in range(0, len(self.eval_examples), bs):
-                batch = self.collate(self.eval_examples[start:start + bs])
+                batch = self.collate(self.eval_examples[start : start + bs])
                 out = self.loss(model, batch)
                 c = float(out.count)
                 count += c
@@ -144,9 +170,13 @@ class OfflineTrainer:
         if self.engine.is_main:
             log.info("%s: %s", type(self).__name__, describe(self.speed_features))
         speed = {f"speed/{k}": v for k, v in self.speed_features.items() if k != "fallbacks"}
-        result = self.engine.fit(self.train_examples, self.collate, self.loss,
-                                 eval_fn=self.evaluate if self.eval_examples else None,
-                                 params={"algorithm": type(self).__name__, **speed})
+        result = self.engine.fit(
+            self.train_examples,
+            self.collate,
+            self.loss,
+            eval_fn=self.evaluate if self.eval_examples else None,
+            params={"algorithm": type(self).__name__, **speed},
+        )
         if self.config.output_dir and self.engine.is_main:
             final = save_pretrained_atomic(self.engine.unwrapped, self.tokenizer, Path(self.config.output_dir) / FINAL_MODEL_DIR)
             result.output_dir = str(final)

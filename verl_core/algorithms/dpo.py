@@ -14,6 +14,7 @@ Example (the seed's)::
                train_dataset=[{"prompt": ..., "chosen": ..., "rejected": ...}, ...],
                beta=0.1, learning_rate=5e-6).train()
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -23,9 +24,10 @@ from pydantic import Field
 
 from verl_core.algorithms.preference import PreferenceConfig, PreferenceTrainer, attach_reference, pair_metrics
 from verl_core.data import collate_pairs, tokenize_pairs
+from verl_core.data.packing import collate_packed_pairs
 from verl_core.engine import LossOutput
 from verl_core.losses.preference import dpo_loss, orpo_loss, sequence_logps, sequence_mean_logps, simpo_loss
-from verl_core.packing import collate_packed_pairs, model_token_logprobs
+from verl_core.packing import model_token_logprobs
 
 DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"]
 REFERENCE_FREE = ("simpo", "orpo")
@@ -78,8 +80,11 @@ class DPOTrainer(PreferenceTrainer):
 
     def collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         c, pad = self.config, self.tokenizer.pad_token_id
-        batch = (collate_packed_pairs(examples, pad, c.share_prompt, c.packing_row_tokens, c.prune_last_layer) if c.packing
-                 else collate_pairs(examples, pad))
+        batch = (
+            collate_packed_pairs(examples, pad, c.share_prompt, c.packing_row_tokens, c.prune_last_layer)
+            if c.packing
+            else collate_pairs(examples, pad)
+        )
         return attach_reference(batch, examples)
 
     def loss(self, model, batch: dict[str, torch.Tensor]) -> LossOutput:
@@ -99,8 +104,7 @@ class DPOTrainer(PreferenceTrainer):
             extra = {"nll": nll.detach().mean().item(), "log_odds_ratio": out.log_odds_ratio.mean().item()}
         else:
             ref = self.reference_logps(model, batch)
-            out = dpo_loss(chosen, rejected, ref[:n], ref[n:], c.beta, c.loss_type, c.label_smoothing,
-                           lengths[:n], lengths[n:])
+            out = dpo_loss(chosen, rejected, ref[:n], ref[n:], c.beta, c.loss_type, c.label_smoothing, lengths[:n], lengths[n:])
         metrics = {**pair_metrics(out.chosen_rewards, out.rejected_rewards, chosen, rejected), **extra}
         return LossOutput(loss_sum=out.losses.sum(), count=n, metrics=metrics)
 

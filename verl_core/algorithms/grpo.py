@@ -13,6 +13,7 @@ instead of a learned value function:
 For ``"grpo"``/``"rloo"`` with ``kl_in="reward"`` the sequence score is ``s_i - beta * sum_t kl_t``.
 The update is the clipped surrogate of :class:`~verl_core.algorithms.online.OnlineTrainer`.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -22,9 +23,9 @@ from pydantic import Field, model_validator
 
 from verl_core.algorithms.base import PackingSettings
 from verl_core.algorithms.online import KLKind, OnlineConfig, OnlineTrainer
+from verl_core.forward import attn_implementation
 from verl_core.losses.advantages import broadcast_to_tokens, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from verl_core.losses.masked import masked_mean
-from verl_core.forward import attn_implementation
 from verl_core.packing import packed_response_logits, supports_shared_prompt
 
 
@@ -47,7 +48,9 @@ class GRPOConfig(OnlineConfig, PackingSettings):
     @model_validator(mode="after")
     def _groups(self):
         if self.advantage_estimator in ("grpo", "rloo") and self.num_generations < 2:
-            raise ValueError(f"{self.advantage_estimator} needs num_generations >= 2 (a group baseline), got {self.num_generations}")
+            raise ValueError(
+                f"{self.advantage_estimator} needs num_generations >= 2 (a group baseline), got {self.num_generations}"
+            )
         return self
 
 
@@ -78,8 +81,9 @@ class GRPOTrainer(OnlineTrainer):
     def response_logits(self, model, batch):
         if self.config.packing:
             c = self.config
-            return packed_response_logits(model, batch, self.policy.tokenizer.pad_token_id, c.packing_row_tokens,
-                                          c.prune_last_layer)
+            return packed_response_logits(
+                model, batch, self.policy.tokenizer.pad_token_id, c.packing_row_tokens, c.prune_last_layer
+            )
         return super().response_logits(model, batch)
 
     def compute_advantages(self, exp, scores):

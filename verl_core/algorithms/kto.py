@@ -24,6 +24,7 @@ Label balance:
   present"; metric callbacks skip non-finite values), ``rewards/margins`` likewise;
   ``count/desirable`` (the fraction of desirable rows) and ``kl`` are always finite.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,9 +34,10 @@ from pydantic import Field
 
 from verl_core.algorithms.preference import PreferenceConfig, PreferenceTrainer, attach_reference
 from verl_core.data import DataError, collate_sequences, tokenize_unpaired
+from verl_core.data.packing import collate_packed_kto
 from verl_core.engine import LossOutput
 from verl_core.losses.preference import kto_loss, mismatched_indices, sequence_logps
-from verl_core.packing import collate_packed_kto, model_token_logprobs
+from verl_core.packing import model_token_logprobs
 
 
 class KTOConfig(PreferenceConfig):
@@ -80,15 +82,21 @@ class KTOTrainer(PreferenceTrainer):
         labels = {e["label"] for e in examples}
         if is_train and len(labels) < 2:
             which = "desirable (label=True)" if True in labels else "undesirable (label=False)"
-            raise DataError(f"KTO train data has only {which} rows; KTO needs both labels to learn what to prefer "
-                            "(for only-desirable data use SFT, or add undesirable examples)")
+            raise DataError(
+                f"KTO train data has only {which} rows; KTO needs both labels to learn what to prefer "
+                "(for only-desirable data use SFT, or add undesirable examples)"
+            )
         return assign_kl_completions(examples, c.seed, c.max_length)
 
     def collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         c = self.config
         if c.packing:
-            return attach_reference(collate_packed_kto(examples, self.tokenizer.pad_token_id, c.share_prompt,
-                                                       c.packing_row_tokens, c.prune_last_layer), examples)
+            return attach_reference(
+                collate_packed_kto(
+                    examples, self.tokenizer.pad_token_id, c.share_prompt, c.packing_row_tokens, c.prune_last_layer
+                ),
+                examples,
+            )
         prompts = [e["prompt_ids"] for e in examples]
         completions = [e["completion_ids"] for e in examples] + [e["kl_completion_ids"] for e in examples]
         batch = collate_sequences(prompts + prompts, completions, self.tokenizer.pad_token_id)
@@ -107,8 +115,17 @@ class KTOTrainer(PreferenceTrainer):
         ref = self.reference_logps(model, batch)
         labels = batch["labels"]
         n = labels.shape[0]
-        out = kto_loss(logps[:n], ref[:n], labels, logps[n:], ref[n:], c.beta,
-                       c.desirable_weight, c.undesirable_weight, reduce_kl=self._reduce_kl())
+        out = kto_loss(
+            logps[:n],
+            ref[:n],
+            labels,
+            logps[n:],
+            ref[n:],
+            c.beta,
+            c.desirable_weight,
+            c.undesirable_weight,
+            reduce_kl=self._reduce_kl(),
+        )
         chosen, rejected = _class_mean(out.rewards, labels), _class_mean(out.rewards, ~labels)
         metrics = {
             "kl": out.kl.item(),

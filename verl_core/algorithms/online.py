@@ -28,78 +28,36 @@ either subtracted from the reward (``kl_in="reward"``: ``r_t -= beta * kl_t``, Z
 added to the loss (``kl_in="loss"``: ``+ beta * agg(kl_t)``, GRPO, Shao et al. 2024). With
 several processes each process samples, scores and whitens its own share of the batch.
 """
+
 from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Sequence
+from typing import Any, ClassVar
 
 import torch
-from pydantic import Field, model_validator
 
 from verl_core import arithmetic
 from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
+from verl_core.algorithms.online_config import KLKind, OnlineConfig  # noqa: F401  (KLKind: part of this module's API)
 from verl_core.algorithms.speed import describe, resolve_speed
 from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.data import tokenize_prompts
-from verl_core.engine import Engine, LossOutput, TrainConfig, TrainingError, TrainResult, micro_batch_indices
+from verl_core.engine import Engine, LossOutput, TrainingError, TrainResult, micro_batch_indices
 from verl_core.logprobs import entropy_from_logits, selected_logprobs
 from verl_core.losses.masked import masked_mean
 from verl_core.losses.policy import AdaptiveKLController, FixedKLController, aggregate, kl_penalty, ppo_policy_loss
 from verl_core.models import save_pretrained_atomic
 from verl_core.policies import LLMPolicy
 from verl_core.precision import AUTOCAST_DTYPES, allow_precision_change
-from verl_core.rewards.model import RewardModel, RewardSource, RewardSourceConfig, UserRewards
+from verl_core.rewards.model import RewardModel, RewardSource, UserRewards
 from verl_core.rollout import HFRolloutBackend, RolloutBackend, RolloutBatch, SamplingParams, decode_responses
 
 log = logging.getLogger("verl_core")
-KLKind = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"]
-
-
-class OnlineConfig(TrainConfig, RewardSourceConfig):
-    """Settings shared by PPO, GRPO, RLOO and REINFORCE++. ``max_steps`` counts rollout steps."""
-
-    learning_rate: float = Field(1e-5, gt=0)
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    max_steps: int = Field(10, ge=1, description="rollout steps; each is ppo_epochs × (batch_size / mini_batch_size) optimizer steps")
-    total_episodes: int | None = Field(None, ge=1, description="if set: max_steps = ceil(total_episodes / batch_size)")
-    batch_size: int = Field(16, ge=1, description="episodes (sampled completions) per rollout step, all processes")
-    mini_batch_size: int | None = Field(None, ge=1, description="episodes per optimizer step (default batch_size)")
-    ppo_epochs: int = Field(1, ge=1)
-    num_generations: int = Field(1, ge=1, description="completions sampled per prompt (the group size)")
-    max_prompt_length: int = Field(256, ge=1)
-    max_new_tokens: int = Field(32, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    generation_batch_size: int = Field(256, ge=1)
-    clip_range: float = Field(0.2, gt=0)
-    clip_range_high: float | None = Field(None, gt=0, description="upper clip (DAPO clip-higher); default clip_range")
-    dual_clip: float | None = Field(None, gt=1)
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    entropy_coef: float = Field(0.0, ge=0)
-    kl_coef: float = Field(0.05, ge=0, description="beta; 0 disables the reference model")
-    kl_estimator: KLKind = "k1"
-    kl_in: Literal["reward", "loss"] = "reward"
-    adaptive_kl: bool = False
-    kl_target: float = Field(6.0, gt=0)
-    kl_horizon: int = Field(10000, ge=1)
-    missing_eos_penalty: float | None = Field(None, description="subtracted from the score of completions cut by max_new_tokens")
-    eval_reward: str = "exact_match"
-
-    @model_validator(mode="after")
-    def _online_shape(self):
-        if self.total_episodes is not None:
-            self.__dict__["max_steps"] = max(1, math.ceil(self.total_episodes / self.batch_size))
-        if self.batch_size % self.num_generations:
-            raise ValueError(f"batch_size {self.batch_size} is not a multiple of num_generations {self.num_generations}")
-        if self.mini_batch_size is not None and self.batch_size % self.mini_batch_size:
-            raise ValueError(f"batch_size {self.batch_size} is not a multiple of mini_batch_size {self.mini_batch_size}")
-        return self
 
 
 class _KLState:
@@ -123,30 +81,48 @@ class OnlineTrainer:
     default_rules: ClassVar[dict[str, float]] = {"exact_match": 1.0}
     needs_values: ClassVar[bool] = False
 
-    def __init__(self, policy: LLMPolicy | str, reward_model: RewardModel | str | None = None,
-                 config: OnlineConfig | dict | None = None, prompts: Any = None, reward_fns: UserRewards = None,
-                 eval_prompts: Any = None, callbacks: Sequence[Callback] = (), rollout_backend: RolloutBackend | None = None,
-                 **overrides: Any):
+    def __init__(
+        self,
+        policy: LLMPolicy | str,
+        reward_model: RewardModel | str | None = None,
+        config: OnlineConfig | dict | None = None,
+        prompts: Any = None,
+        reward_fns: UserRewards = None,
+        eval_prompts: Any = None,
+        callbacks: Sequence[Callback] = (),
+        rollout_backend: RolloutBackend | None = None,
+        **overrides: Any,
+    ):
         c = self.config = resolve_config(self.config_cls, config, overrides)
         self.policy = policy if isinstance(policy, LLMPolicy) else LLMPolicy.from_pretrained(policy)
         tok = self.policy.tokenizer
         self.prompts = tokenize_prompts(arithmetic.prompt_rows() if prompts is None else prompts, tok, c.max_prompt_length)
         if len(self.prompts) < c.batch_size // c.num_generations:
-            raise ConfigError(f"{len(self.prompts)} prompts, fewer than the {c.batch_size // c.num_generations} one rollout step needs")
+            raise ConfigError(
+                f"{len(self.prompts)} prompts, fewer than the {c.batch_size // c.num_generations} one rollout step needs"
+            )
         self.eval_prompts = eval_prompts
         self.rewards = RewardSource.build(c, reward_model, reward_fns, self.default_rules)
         rm = self.rewards.reward_model
         self.rm_reads_ids = rm is not None and rm.shares_vocab(tok)
-        self.sampling = SamplingParams(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_p=c.top_p,
-                                       top_k=c.top_k, n=c.num_generations, batch_size=c.generation_batch_size)
+        self.sampling = SamplingParams(
+            max_new_tokens=c.max_new_tokens,
+            temperature=c.temperature,
+            top_p=c.top_p,
+            top_k=c.top_k,
+            n=c.num_generations,
+            batch_size=c.generation_batch_size,
+        )
         torch.manual_seed(c.seed)
-        self.config, self.speed_features = resolve_speed(self.policy.model, c, type(self).__name__,
-                                                         unsupported=self.packing_unsupported(self.policy.model))
+        self.config, self.speed_features = resolve_speed(
+            self.policy.model, c, type(self).__name__, unsupported=self.packing_unsupported(self.policy.model)
+        )
         self.module = self.build_module(self.policy.model)
         uses_ref = c.kl_coef > 0 or c.adaptive_kl
         self.reference = copy.deepcopy(self.policy.model).eval().requires_grad_(False) if uses_ref else None
-        self.kl_ctl = (AdaptiveKLController(c.kl_coef, c.kl_target, c.kl_horizon) if c.adaptive_kl
-                       else FixedKLController(c.kl_coef))
+        self.kl_ctl = (
+            AdaptiveKLController(c.kl_coef, c.kl_target, c.kl_horizon) if c.adaptive_kl else FixedKLController(c.kl_coef)
+        )
         self.callbacks = list(callbacks)
         self.backend = rollout_backend
         self.engine: Engine | None = None
@@ -175,7 +151,9 @@ class OnlineTrainer:
         """Write ``exp["advantages"]`` ([B, R], 0 off the mask); return metrics."""
         raise NotImplementedError
 
-    def extra_loss(self, values: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor | float, dict[str, float]]:
+    def extra_loss(
+        self, values: torch.Tensor | None, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor | float, dict[str, float]]:
         return 0.0, {}
 
     # -- helpers for algorithms --------------------------------------------------------------
@@ -204,11 +182,17 @@ class OnlineTrainer:
         """Run :meth:`train_step` for ``max_steps`` rollout steps in the engine's loop; save the policy LM."""
         c = self.config
         allow_precision_change(c.mixed_precision)
-        self.engine = engine = Engine(self.module, c, self.callbacks, total_steps=c.max_steps, updates_per_step=self.updates_per_step)
+        self.engine = engine = Engine(
+            self.module, c, self.callbacks, total_steps=c.max_steps, updates_per_step=self.updates_per_step
+        )
         acc = engine.accelerator
-        if (c.batch_size // c.num_generations) % acc.num_processes or self.mini_batch_size % (acc.num_processes * c.gradient_accumulation_steps):
-            raise TrainingError(f"prompts per step ({c.batch_size // c.num_generations}) must split over {acc.num_processes} processes and "
-                                f"mini_batch_size ({self.mini_batch_size}) over processes × gradient_accumulation_steps")
+        if (c.batch_size // c.num_generations) % acc.num_processes or self.mini_batch_size % (
+            acc.num_processes * c.gradient_accumulation_steps
+        ):
+            raise TrainingError(
+                f"prompts per step ({c.batch_size // c.num_generations}) must split over {acc.num_processes} processes and "
+                f"mini_batch_size ({self.mini_batch_size}) over processes × gradient_accumulation_steps"
+            )
         acc.register_for_checkpointing(_KLState(self.kl_ctl))
         if self.reference is not None:
             self.reference.to(acc.device)
@@ -221,9 +205,13 @@ class OnlineTrainer:
         if engine.is_main:
             log.info("%s: %s", type(self).__name__, describe(self.speed_features))
         speed = {f"speed/{k}": v for k, v in self.speed_features.items() if k != "fallbacks"}
-        result = engine.run(self.train_step, eval_fn=self.evaluate if self.eval_prompts is not None else None,
-                            params={"algorithm": type(self).__name__, **speed}, desc=type(self).__name__,
-                            progress_key="reward/mean")
+        result = engine.run(
+            self.train_step,
+            eval_fn=self.evaluate if self.eval_prompts is not None else None,
+            params={"algorithm": type(self).__name__, **speed},
+            desc=type(self).__name__,
+            progress_key="reward/mean",
+        )
         result.output_dir = None
         if c.output_dir and engine.is_main:
             result.output_dir = str(save_pretrained_atomic(lm, self.policy.tokenizer, Path(c.output_dir) / FINAL_MODEL_DIR))
@@ -241,12 +229,14 @@ class OnlineTrainer:
         """One rollout step: sample, score, advantages, ``ppo_epochs`` passes of updates."""
         c, engine = self.config, self.engine
         acc = engine.accelerator
-        idx = micro_batch_indices(len(self.prompts), step, c.batch_size // c.num_generations, c.seed,
-                                  acc.process_index, acc.num_processes, 1)[0]
+        idx = micro_batch_indices(
+            len(self.prompts), step, c.batch_size // c.num_generations, c.seed, acc.process_index, acc.num_processes, 1
+        )[0]
         examples = [self.prompts[i] for i in idx]
         t0 = time.perf_counter()
-        rollout = self.backend.generate([e["prompt_ids"] for e in examples], self.sampling,
-                                        seed=(c.seed * 1_000_003 + step) * 1_009 + acc.process_index)
+        rollout = self.backend.generate(
+            [e["prompt_ids"] for e in examples], self.sampling, seed=(c.seed * 1_000_003 + step) * 1_009 + acc.process_index
+        )
         gen_seconds = time.perf_counter() - t0
         scores, metrics = self.score(rollout, examples)
         exp = self.make_experience(rollout)
@@ -261,22 +251,31 @@ class OnlineTrainer:
         self.backend.sync_weights(self.policy_lm(engine.unwrapped))
         lengths = rollout.response_lengths.float()
         metrics.update({k: sum(u[k] for u in updates) / len(updates) for k in updates[0]})
-        metrics.update({
-            "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
-            "response/eos_fraction": rollout.finished.float().mean().item(), "kl_coef": self.kl_ctl.value,
-            "perf/gen_seconds": gen_seconds, "perf/train_seconds": train_seconds,
-            "perf/gen_tokens_per_s": lengths.sum().item() / max(gen_seconds, 1e-9),
-            "perf/train_tokens_per_s": c.ppo_epochs * exp["attention_mask"].sum().item() / max(train_seconds, 1e-9),
-        })
+        metrics.update(
+            {
+                "response_length/mean": lengths.mean().item(),
+                "response_length/max": lengths.max().item(),
+                "response/eos_fraction": rollout.finished.float().mean().item(),
+                "kl_coef": self.kl_ctl.value,
+                "perf/gen_seconds": gen_seconds,
+                "perf/train_seconds": train_seconds,
+                "perf/gen_tokens_per_s": lengths.sum().item() / max(gen_seconds, 1e-9),
+                "perf/train_tokens_per_s": c.ppo_epochs * exp["attention_mask"].sum().item() / max(train_seconds, 1e-9),
+            }
+        )
         return metrics
 
     def score(self, rollout: RolloutBatch, examples: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
         texts = decode_responses(self.policy.tokenizer, rollout)
         groups = rollout.group_index.tolist()
         ids = self.rm_reads_ids
-        result = self.rewards.score([examples[g]["prompt"] for g in groups], texts, [examples[g]["ground_truth"] for g in groups],
-                                    prompt_ids=rollout.prompt_lists() if ids else None,
-                                    completion_ids=rollout.response_lists() if ids else None)
+        result = self.rewards.score(
+            [examples[g]["prompt"] for g in groups],
+            texts,
+            [examples[g]["ground_truth"] for g in groups],
+            prompt_ids=rollout.prompt_lists() if ids else None,
+            completion_ids=rollout.response_lists() if ids else None,
+        )
         scores = result.total
         if self.config.missing_eos_penalty is not None:
             scores = scores - self.config.missing_eos_penalty * (~rollout.finished.cpu()).float()
@@ -288,15 +287,20 @@ class OnlineTrainer:
     def make_experience(self, rollout: RolloutBatch) -> dict[str, torch.Tensor]:
         """Training tensors of one rollout: layout, old/reference log-probs, values, per-token KL."""
         c, acc = self.config, self.engine.accelerator
-        exp = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask, "position_ids": rollout.position_ids,
-               "response_ids": rollout.response_ids, "response_mask": rollout.response_mask}
+        exp = {
+            "input_ids": rollout.input_ids,
+            "attention_mask": rollout.attention_mask,
+            "position_ids": rollout.position_ids,
+            "response_ids": rollout.response_ids,
+            "response_mask": rollout.response_mask,
+        }
         exp = {k: v.to(acc.device) for k, v in exp.items()}
         off_policy = self.updates_per_step > 1
         need_old = off_policy or self.needs_values or (self.reference is not None and c.kl_in == "reward")
         chunk = max(1, self.mini_batch_size // (acc.num_processes * c.gradient_accumulation_steps))
         old, values, ref = [], [], []
         for s in range(0, len(rollout), chunk):
-            mb = {k: v[s:s + chunk] for k, v in exp.items()}
+            mb = {k: v[s : s + chunk] for k, v in exp.items()}
             if need_old:
                 self.engine.model.eval()
                 logits, v = self.forward(self.engine.model, mb)
@@ -333,7 +337,7 @@ class OnlineTrainer:
         for _ in range(c.ppo_epochs):
             order = torch.randperm(n, generator=gen).to(exp["input_ids"].device)
             for k in range(n // local):
-                rows = order[k * local:(k + 1) * local]
+                rows = order[k * local : (k + 1) * local]
                 micro = [{key: v[i] for key, v in exp.items()} for i in rows.chunk(c.gradient_accumulation_steps)]
                 out.append(self.engine.optimizer_step(micro, self.loss))
         return out
@@ -354,9 +358,14 @@ class OnlineTrainer:
         if c.entropy_coef > 0:
             total = total - c.entropy_coef * entropy
         ratio_dev = torch.where(mask.bool(), (logp.detach() - old).exp() - 1, 0.0).abs()
-        metrics = {"policy/loss": pl.loss.item(), "policy/clip_fraction": pl.clip_fraction.item(),
-                   "policy/approx_kl": pl.approx_kl.item(), "policy/entropy": entropy.item(),
-                   "policy/ratio_dev_mean": masked_mean(ratio_dev, mask).item(), "policy/ratio_dev_max": ratio_dev.max().item()}
+        metrics = {
+            "policy/loss": pl.loss.item(),
+            "policy/clip_fraction": pl.clip_fraction.item(),
+            "policy/approx_kl": pl.approx_kl.item(),
+            "policy/entropy": entropy.item(),
+            "policy/ratio_dev_mean": masked_mean(ratio_dev, mask).item(),
+            "policy/ratio_dev_max": ratio_dev.max().item(),
+        }
         if "ref_logp" in mb and c.kl_in == "loss":
             kl = aggregate(kl_penalty(logp, mb["ref_logp"], c.kl_estimator), mask, c.loss_agg)
             total = total + self.kl_ctl.value * kl
@@ -371,6 +380,11 @@ class OnlineTrainer:
 def lm_response_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Logits at the positions that predict the response tokens: [B, R, V] (only those are computed)."""
     r = batch["response_ids"].shape[1]
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-                use_cache=False, logits_to_keep=r + 1)
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+        logits_to_keep=r + 1,
+    )
     return out.logits[:, :-1]

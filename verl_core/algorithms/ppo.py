@@ -17,6 +17,7 @@ Rewards per token are ``r_t = -beta * kl_t`` plus the sequence score on the last
 advantages are GAE (Schulman et al. 2016, arXiv:1506.02438), whitened over the batch.
 Only the policy LM is saved at the end (``output_dir/model``); the value head is a training aid.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,7 +40,9 @@ class PPOConfig(OnlineConfig):
     whiten_advantages: bool = True
     whiten_rewards: bool = False
     critic_backprop: bool = Field(False, description="let the value loss train the shared backbone")
-    value_lr_multiplier: float = Field(10.0, gt=0, description="k in V = k·(w·h + b): the value head's learning-rate multiplier under Adam")
+    value_lr_multiplier: float = Field(
+        10.0, gt=0, description="k in V = k·(w·h + b): the value head's learning-rate multiplier under Adam"
+    )
 
 
 class ValueHeadModel(torch.nn.Module):
@@ -55,11 +58,18 @@ class ValueHeadModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.bias)
         self.value_head.to(next(lm.parameters()).dtype)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, logits_to_keep: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and values of the last ``logits_to_keep`` positions."""
-        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                      output_hidden_states=True, logits_to_keep=logits_to_keep)
+        out = self.lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=logits_to_keep,
+        )
         hidden = out.hidden_states[-1][:, -logits_to_keep:]
         if not self.backprop:
             hidden = hidden.detach()
@@ -67,7 +77,8 @@ class ValueHeadModel(torch.nn.Module):
 
 
 class PPOTrainer(OnlineTrainer):
-    """``PPOTrainer(policy=LLMPolicy.from_pretrained(p), reward_model=RewardModel.from_pretrained(r), config=PPOConfig()).train()``"""
+    """``PPOTrainer(policy=LLMPolicy.from_pretrained(p), reward_model=RewardModel.from_pretrained(r),
+    config=PPOConfig()).train()``"""
 
     config_cls = PPOConfig
     config: PPOConfig
@@ -86,8 +97,12 @@ class PPOTrainer(OnlineTrainer):
 
     def forward(self, model, batch):
         r = batch["response_ids"].shape[1]
-        logits, values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                               position_ids=batch["position_ids"], logits_to_keep=r + 1)
+        logits, values = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            logits_to_keep=r + 1,
+        )
         return logits[:, :-1], values[:, :-1].float()
 
     def compute_advantages(self, exp, scores):
@@ -101,13 +116,19 @@ class PPOTrainer(OnlineTrainer):
             advantages = masked_whiten(advantages, mask)
         exp["advantages"], exp["returns"] = advantages, returns
         var_returns = masked_var(returns, mask)
-        explained = 1.0 - masked_var(returns - exp["values"], mask) / var_returns if var_returns > 0 else torch.tensor(float("nan"))
-        return {"value/explained_variance": float(explained), "value/mean": masked_mean(exp["values"], mask).item(),
-                "returns/mean": masked_mean(returns, mask).item()}
+        explained = (
+            1.0 - masked_var(returns - exp["values"], mask) / var_returns if var_returns > 0 else torch.tensor(float("nan"))
+        )
+        return {
+            "value/explained_variance": float(explained),
+            "value/mean": masked_mean(exp["values"], mask).item(),
+            "returns/mean": masked_mean(returns, mask).item(),
+        }
 
     def extra_loss(self, values, batch):
-        out = ppo_value_loss(values, batch["values"], batch["returns"], batch["response_mask"],
-                             self.config.value_clip_range, self.config.loss_agg)
+        out = ppo_value_loss(
+            values, batch["values"], batch["returns"], batch["response_mask"], self.config.value_clip_range, self.config.loss_agg
+        )
         return self.config.vf_coef * out.loss, {"value/loss": out.loss.item(), "value/clip_fraction": out.clip_fraction.item()}
 
 

@@ -21,13 +21,15 @@ scores both. The reference log-prob of each row comes from, in this order:
 Reference forwards run under the engine's autocast, so a bf16 run scores policy and
 reference at the same precision.
 """
+
 from __future__ import annotations
 
 import contextlib
 import copy
 import gc
 import os
-from typing import Any, ClassVar, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -54,10 +56,14 @@ class PreferenceConfig(TrainConfig, PairPackingSettings):
     max_prompt_length: int | None = None
     on_long_prompt: LongPromptPolicy = "error"
     precompute_ref_logps: bool | Literal["auto"] = Field(
-        "auto", description="score every example under the reference once before training, then free it. 'auto': "
-                            "when the run reads every example at least once (steps x batch_size >= rows), where it "
-                            "costs no extra forward pass and frees the reference's memory; else on the fly")
-    lora: LoraSettings | None = Field(None, description="train LoRA adapters (model given as a path); the reference is the adapter-disabled base")
+        "auto",
+        description="score every example under the reference once before training, then free it. 'auto': "
+        "when the run reads every example at least once (steps x batch_size >= rows), where it "
+        "costs no extra forward pass and frees the reference's memory; else on the fly",
+    )
+    lora: LoraSettings | None = Field(
+        None, description="train LoRA adapters (model given as a path); the reference is the adapter-disabled base"
+    )
 
 
 def attach_reference(batch: dict[str, torch.Tensor], examples: list[dict]) -> dict[str, torch.Tensor]:
@@ -67,8 +73,9 @@ def attach_reference(batch: dict[str, torch.Tensor], examples: list[dict]) -> di
     return batch
 
 
-def pair_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
-                 chosen_logps: torch.Tensor, rejected_logps: torch.Tensor) -> dict[str, float]:
+def pair_metrics(
+    chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, chosen_logps: torch.Tensor, rejected_logps: torch.Tensor
+) -> dict[str, float]:
     """Per-pair means of the implicit rewards and summed completion log-probs."""
     return {
         "rewards/chosen": chosen_rewards.mean().item(),
@@ -91,9 +98,17 @@ class PreferenceTrainer(OfflineTrainer):
     config_cls: ClassVar[type[TrainConfig]] = PreferenceConfig
     config: PreferenceConfig
 
-    def __init__(self, model: Any, tokenizer: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
-                 ref_model: Any = None, config: PreferenceConfig | dict | None = None,
-                 callbacks: Sequence[Callback] = (), **overrides: Any):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        ref_model: Any = None,
+        config: PreferenceConfig | dict | None = None,
+        callbacks: Sequence[Callback] = (),
+        **overrides: Any,
+    ):
         super().__init__(model, tokenizer, train_dataset, eval_dataset, config, callbacks, **overrides)
         if self.model_source is None and self.config.lora is not None and not is_peft(self.model):
             raise ConfigError("lora= applies when the model is given as a path; wrap a model object with peft yourself")
@@ -189,10 +204,10 @@ class PreferenceTrainer(OfflineTrainer):
         size = max(1, self.config.batch_size // self.config.gradient_accumulation_steps)
         try:
             for start in range(0, len(examples), size):
-                chunk = [{k: v for k, v in e.items() if k != REF_KEY} for e in examples[start:start + size]]
+                chunk = [{k: v for k, v in e.items() if k != REF_KEY} for e in examples[start : start + size]]
                 batch = {k: v.to(device) for k, v in self.collate(chunk).items()}
                 logps = self.reference_logps(model, batch).cpu().tolist()
-                for i, example in enumerate(examples[start:start + size]):
+                for i, example in enumerate(examples[start : start + size]):
                     example[REF_KEY] = (logps[i], logps[len(chunk) + i])
         finally:
             self._precomputing = False

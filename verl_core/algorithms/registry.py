@@ -4,6 +4,7 @@ stage dispatch and the package exports are derived from.
 Adding an algorithm = its trainer (a config class plus the loss of one batch over the shared
 engine) and one :class:`Algorithm` entry below.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,16 +34,19 @@ class Algorithm:
         return self.trainer.config_cls
 
 
-ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
-    Algorithm("dpo", DPOTrainer, "offline", "pairs", "Direct Preference Optimization (Rafailov et al. 2023)"),
-    Algorithm("kto", KTOTrainer, "offline", "pairs", "Kahneman-Tversky Optimization (Ethayarajh et al. 2024)"),
-    Algorithm("simpo", SimPOTrainer, "offline", "pairs", "SimPO, reference-free (Meng et al. 2024)"),
-    Algorithm("orpo", ORPOTrainer, "offline", "pairs", "ORPO, odds-ratio + SFT (Hong et al. 2024)"),
-    Algorithm("ppo", PPOTrainer, "online", "prompts", "PPO with a value head and GAE (Schulman et al. 2017)"),
-    Algorithm("grpo", GRPOTrainer, "online", "prompts", "GRPO, group-normalised advantages (Shao et al. 2024)"),
-    Algorithm("rloo", RLOOTrainer, "online", "prompts", "RLOO, leave-one-out baseline (Ahmadian et al. 2024)"),
-    Algorithm("reinforce_pp", ReinforcePPTrainer, "online", "prompts", "REINFORCE++ (Hu 2025)"),
-)}
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("dpo", DPOTrainer, "offline", "pairs", "Direct Preference Optimization (Rafailov et al. 2023)"),
+        Algorithm("kto", KTOTrainer, "offline", "pairs", "Kahneman-Tversky Optimization (Ethayarajh et al. 2024)"),
+        Algorithm("simpo", SimPOTrainer, "offline", "pairs", "SimPO, reference-free (Meng et al. 2024)"),
+        Algorithm("orpo", ORPOTrainer, "offline", "pairs", "ORPO, odds-ratio + SFT (Hong et al. 2024)"),
+        Algorithm("ppo", PPOTrainer, "online", "prompts", "PPO with a value head and GAE (Schulman et al. 2017)"),
+        Algorithm("grpo", GRPOTrainer, "online", "prompts", "GRPO, group-normalised advantages (Shao et al. 2024)"),
+        Algorithm("rloo", RLOOTrainer, "online", "prompts", "RLOO, leave-one-out baseline (Ahmadian et al. 2024)"),
+        Algorithm("reinforce_pp", ReinforcePPTrainer, "online", "prompts", "REINFORCE++ (Hu 2025)"),
+    )
+}
 
 
 def get_algorithm(name: str) -> Algorithm:

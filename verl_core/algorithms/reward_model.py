@@ -1,4 +1,5 @@
 """Reward model: a sequence classifier trained with the Bradley–Terry loss on pairs."""
+
 from __future__ import annotations
 
 import torch
@@ -49,8 +50,9 @@ class RewardTrainer(OfflineTrainer):
     def collate(self, examples):
         c = self.config
         if c.packing:
-            batch = packing.collate_packed_pairs(examples, self.tokenizer.pad_token_id, c.share_prompt, c.packing_row_tokens,
-                                                 c.prune_last_layer)
+            batch = packing.collate_packed_pairs(
+                examples, self.tokenizer.pad_token_id, c.share_prompt, c.packing_row_tokens, c.prune_last_layer
+            )
         else:
             batch = collate_pairs(examples, self.tokenizer.pad_token_id)
         if self.config.margin is not None:

@@ -1,4 +1,5 @@
 """Supervised fine-tuning: next-token NLL on completion tokens only."""
+
 from __future__ import annotations
 
 from pydantic import Field
@@ -6,8 +7,9 @@ from pydantic import Field
 from verl_core.algorithms.base import OfflineTrainer, PackingSettings
 from verl_core.data import collate_sft, tokenize_sft
 from verl_core.data.formats import LongPromptPolicy
+from verl_core.data.packing import collate_packed_sft
 from verl_core.engine import LossOutput, TrainConfig
-from verl_core.packing import collate_packed_sft, model_token_logprobs
+from verl_core.packing import model_token_logprobs
 
 
 class SFTConfig(TrainConfig, PackingSettings):

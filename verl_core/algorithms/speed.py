@@ -7,6 +7,7 @@ fp32 log-softmax (always), and the reference scored once before training where t
 (``precompute_ref_logps="auto"``, see :mod:`verl_core.algorithms.preference`). A model the fast
 path does not fit trains on the plain path, with one log line saying what was turned off and why.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,9 @@ from verl_core.forward import attn_implementation, prune_skip_reason
 log = logging.getLogger("verl_core")
 
 
-def resolve_speed(model: torch.nn.Module, config: Any, owner: str, needs_score_head: bool = False,
-                  unsupported: str | None = None) -> tuple[Any, dict[str, Any]]:
+def resolve_speed(
+    model: torch.nn.Module, config: Any, owner: str, needs_score_head: bool = False, unsupported: str | None = None
+) -> tuple[Any, dict[str, Any]]:
     """``config`` with the features this model cannot use switched off, and the features in use.
 
     Returns ``(config, speed_features)``: ``speed_features`` maps each feature to whether it is on,
@@ -37,8 +39,9 @@ def resolve_speed(model: torch.nn.Module, config: Any, owner: str, needs_score_h
             changes["packing"], why["packing"] = False, reason
         elif getattr(config, "share_prompt", False) and not packing.supports_shared_prompt(model):
             changes["share_prompt"] = False
-            why["share_prompt"] = (f"{attn_implementation(model)} attention takes no mask to share a prompt "
-                                   "between completions (packing stays on)")
+            why["share_prompt"] = (
+                f"{attn_implementation(model)} attention takes no mask to share a prompt between completions (packing stays on)"
+            )
     if changes:
         config = config.model_copy(update=changes)
     on = bool(getattr(config, "packing", False))

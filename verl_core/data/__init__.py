@@ -1,4 +1,5 @@
 """Data: load rows from anywhere `datasets` can, validate them, tokenize, collate."""
+
 from verl_core.data.collate import collate_pairs, collate_sequences, collate_sft, pad_to
 from verl_core.data.formats import (
     DataError,

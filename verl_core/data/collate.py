@@ -7,9 +7,10 @@ completion ids ``[7, 2]`` / ``[8, 9, 2]`` (pad 0) gives::
     attention_mask [[1, 1, 1, 1], [1, 1, 1, 1]]
     loss_mask      [[0, 0, 1, 1], [0, 1, 1, 1]]   # 1 on completion tokens only
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -21,11 +22,13 @@ def pad_to(seqs: Sequence[Sequence[int]], pad_value: int, side: str = "right", l
         if side == "right":
             out[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
         else:
-            out[i, length - len(s):] = torch.as_tensor(s, dtype=torch.long)
+            out[i, length - len(s) :] = torch.as_tensor(s, dtype=torch.long)
     return out
 
 
-def collate_sequences(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
+def collate_sequences(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> dict[str, torch.Tensor]:
     """Right-padded prompt+completion sequences with a mask over completion tokens."""
     ids = [list(p) + list(c) for p, c in zip(prompts, completions)]
     loss = [[0] * len(p) + [1] * len(c) for p, c in zip(prompts, completions)]
@@ -43,4 +46,6 @@ def collate_sft(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 def collate_pairs(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Chosen rows ``0..B-1`` then rejected rows ``B..2B-1``, so one forward pass scores both."""
     prompts = [e["prompt_ids"] for e in examples]
-    return collate_sequences(prompts + prompts, [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples], pad_id)
+    return collate_sequences(
+        prompts + prompts, [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples], pad_id
+    )

@@ -16,6 +16,7 @@ so that prompt + completion fits ``max_length`` (the end-of-sequence token is th
 Conversational rows go through the tokenizer's chat template; loss is only ever on
 completion tokens.
 """
+
 from __future__ import annotations
 
 import logging
@@ -83,7 +84,9 @@ class _Encoder:
             )
         return ids
 
-    def completion(self, prompt: str | Messages, completion: str | Messages, prompt_ids: list[int], i: int, field: str) -> list[int]:
+    def completion(
+        self, prompt: str | Messages, completion: str | Messages, prompt_ids: list[int], i: int, field: str
+    ) -> list[int]:
         if isinstance(prompt, str) != isinstance(completion, str):
             raise DataError(f"row {i}: 'prompt' and {field!r} must both be strings or both be message lists")
         if isinstance(completion, str):
@@ -92,7 +95,7 @@ class _Encoder:
             full = self.ids(self._template(prompt + completion, generation=False), special=False)
             if full[: len(prompt_ids)] != prompt_ids:
                 raise DataError(f"row {i}: the chat template does not render the prompt as a prefix of the full dialogue")
-            ids = full[len(prompt_ids):]
+            ids = full[len(prompt_ids) :]
         if not ids:
             raise DataError(f"row {i}: field {field!r} encodes to no tokens")
         return ids[: self.max_length - len(prompt_ids)]
@@ -104,15 +107,25 @@ class _Encoder:
 
     def report(self, what: str) -> None:
         if self.dropped:
-            log.warning("%s: dropped %d rows whose prompt exceeds max_prompt_length (first: row %d)", what, len(self.dropped), self.dropped[0])
+            log.warning(
+                "%s: dropped %d rows whose prompt exceeds max_prompt_length (first: row %d)",
+                what,
+                len(self.dropped),
+                self.dropped[0],
+            )
 
 
 def _rows(source: Any) -> list[dict]:
     return list(load_rows(source))
 
 
-def tokenize_sft(source: Any, tokenizer, max_length: int = 512, max_prompt_length: int | None = None,
-                 on_long_prompt: LongPromptPolicy = "error") -> list[dict]:
+def tokenize_sft(
+    source: Any,
+    tokenizer,
+    max_length: int = 512,
+    max_prompt_length: int | None = None,
+    on_long_prompt: LongPromptPolicy = "error",
+) -> list[dict]:
     """SFT rows → ``{"prompt_ids", "completion_ids"}`` (loss only on completion ids)."""
     enc = _Encoder(tokenizer, max_length, max_prompt_length, on_long_prompt)
     out = []
@@ -137,7 +150,9 @@ def tokenize_sft(source: Any, tokenizer, max_length: int = 512, max_prompt_lengt
             raise DataError(f"row {i}: an SFT row needs 'text', 'prompt'+'completion' or 'messages'; it has {sorted(row)}")
         prompt_ids = enc.prompt(prompt, i)
         if prompt_ids is not None:
-            out.append({"prompt_ids": prompt_ids, "completion_ids": enc.completion(prompt, completion, prompt_ids, i, "completion")})
+            out.append(
+                {"prompt_ids": prompt_ids, "completion_ids": enc.completion(prompt, completion, prompt_ids, i, "completion")}
+            )
     enc.report("sft")
     return _nonempty(out, "SFT")
 
@@ -167,7 +182,7 @@ def split_implicit_prompt(chosen: str | Messages, rejected: str | Messages, i: i
         raise DataError(f"row {i}: 'chosen' and 'rejected' must both be strings or both be message lists")
     if not prompt:
         raise DataError(f"row {i}: no 'prompt' field and 'chosen'/'rejected' share no prefix to use as the prompt")
-    chosen_rest, rejected_rest = chosen[len(prompt):], rejected[len(prompt):]
+    chosen_rest, rejected_rest = chosen[len(prompt) :], rejected[len(prompt) :]
     for field, rest in (("chosen", chosen_rest), ("rejected", rejected_rest)):
         if not rest or (isinstance(rest, str) and not rest.strip()):
             raise DataError(f"row {i}: field {field!r} has nothing after the shared prompt")
@@ -181,8 +196,13 @@ def _preference_parts(row: dict, i: int):
     return _text_or_messages(row, i, "prompt"), chosen, rejected
 
 
-def tokenize_pairs(source: Any, tokenizer, max_length: int = 512, max_prompt_length: int | None = None,
-                   on_long_prompt: LongPromptPolicy = "error") -> list[dict]:
+def tokenize_pairs(
+    source: Any,
+    tokenizer,
+    max_length: int = 512,
+    max_prompt_length: int | None = None,
+    on_long_prompt: LongPromptPolicy = "error",
+) -> list[dict]:
     """Preference rows → ``{"prompt_ids", "chosen_ids", "rejected_ids"}``."""
     enc = _Encoder(tokenizer, max_length, max_prompt_length, on_long_prompt)
     out = []
@@ -193,11 +213,13 @@ def tokenize_pairs(source: Any, tokenizer, max_length: int = 512, max_prompt_len
         prompt_ids = enc.prompt(prompt, i)
         if prompt_ids is None:
             continue
-        out.append({
-            "prompt_ids": prompt_ids,
-            "chosen_ids": enc.completion(prompt, chosen, prompt_ids, i, "chosen"),
-            "rejected_ids": enc.completion(prompt, rejected, prompt_ids, i, "rejected"),
-        })
+        out.append(
+            {
+                "prompt_ids": prompt_ids,
+                "chosen_ids": enc.completion(prompt, chosen, prompt_ids, i, "chosen"),
+                "rejected_ids": enc.completion(prompt, rejected, prompt_ids, i, "rejected"),
+            }
+        )
     enc.report("preference")
     return _nonempty(out, "preference")
 
@@ -212,8 +234,13 @@ def pairs_to_unpaired(rows: list[dict]) -> list[dict]:
     return out
 
 
-def tokenize_unpaired(source: Any, tokenizer, max_length: int = 512, max_prompt_length: int | None = None,
-                      on_long_prompt: LongPromptPolicy = "error") -> list[dict]:
+def tokenize_unpaired(
+    source: Any,
+    tokenizer,
+    max_length: int = 512,
+    max_prompt_length: int | None = None,
+    on_long_prompt: LongPromptPolicy = "error",
+) -> list[dict]:
     """Unpaired rows (``prompt``/``completion``/``label``) → ``{"prompt_ids", "completion_ids", "label"}``.
 
     Preference rows (``chosen``/``rejected``) are accepted too and split with
@@ -235,13 +262,20 @@ def tokenize_unpaired(source: Any, tokenizer, max_length: int = 512, max_prompt_
             raise DataError(f"row {i}: field 'label' must be a bool, got {label!r}")
         prompt_ids = enc.prompt(prompt, i)
         if prompt_ids is not None:
-            out.append({"prompt_ids": prompt_ids, "completion_ids": enc.completion(prompt, completion, prompt_ids, i, "completion"), "label": label})
+            out.append(
+                {
+                    "prompt_ids": prompt_ids,
+                    "completion_ids": enc.completion(prompt, completion, prompt_ids, i, "completion"),
+                    "label": label,
+                }
+            )
     enc.report("unpaired")
     return _nonempty(out, "unpaired")
 
 
-def tokenize_prompts(source: Any, tokenizer, max_prompt_length: int = 256,
-                     on_long_prompt: LongPromptPolicy = "error") -> list[dict]:
+def tokenize_prompts(
+    source: Any, tokenizer, max_prompt_length: int = 256, on_long_prompt: LongPromptPolicy = "error"
+) -> list[dict]:
     """Prompt-only rows → ``{"prompt_ids", "prompt", "ground_truth"}``."""
     enc = _Encoder(tokenizer, max_prompt_length + 1, max_prompt_length, on_long_prompt)
     out = []

@@ -1,10 +1,12 @@
 """Load rows from JSONL / JSON / Parquet / CSV files, `save_to_disk` folders, Python
 lists, `datasets` objects, or hub ids (when online)."""
+
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import datasets
 

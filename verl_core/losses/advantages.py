@@ -34,6 +34,7 @@ of its row (:func:`outcome_token_rewards`), plus optional per-token ``dense_rewa
 that build token rewards themselves. A group of size 1 has no baseline: the group estimators
 give it advantage 0 (never NaN).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -150,9 +151,7 @@ def grpo_advantages(
 
 
 @torch.no_grad()
-def dr_grpo_advantages(
-    scores: Tensor, group_index: Tensor | Sequence[int], *, response_mask: Tensor | None = None
-) -> Tensor:
+def dr_grpo_advantages(scores: Tensor, group_index: Tensor | Sequence[int], *, response_mask: Tensor | None = None) -> Tensor:
     """Dr. GRPO advantages (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783).
 
     GRPO without the std normalisation (which biases towards too easy / too hard prompts)::
@@ -167,9 +166,7 @@ def dr_grpo_advantages(
 
 
 @torch.no_grad()
-def rloo_advantages(
-    scores: Tensor, group_index: Tensor | Sequence[int], *, response_mask: Tensor | None = None
-) -> Tensor:
+def rloo_advantages(scores: Tensor, group_index: Tensor | Sequence[int], *, response_mask: Tensor | None = None) -> Tensor:
     """REINFORCE Leave-One-Out advantages (Ahmadian et al. 2024, arXiv:2402.14740).
 
     For sample i in a group of k samples, the baseline is the mean of the *other* k-1::
@@ -220,9 +217,7 @@ def discounted_returns(token_rewards: Tensor, response_mask: Tensor, gamma: floa
 
 
 @torch.no_grad()
-def reinforce_pp_advantages(
-    token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0
-) -> Tensor:
+def reinforce_pp_advantages(token_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0) -> Tensor:
     """REINFORCE++ advantages (Hu 2025, arXiv:2501.03262).
 
     Return-to-go per token, then whitened with the statistics of the whole batch's valid

@@ -5,6 +5,7 @@ tokens count. These helpers compute sums, means, variances and whitening over th
 positions only. Padded positions may hold anything, even NaN or inf: they are selected
 away with ``torch.where`` (never multiplied by 0, since ``0 * nan == nan``).
 """
+
 from __future__ import annotations
 
 import torch

@@ -16,6 +16,7 @@ name        function                       defaults (clip_low, clip_high, agg)
 ``cispo``   :func:`cispo_policy_loss`      None, 0.28, ``"token-mean"`` (clipped, detached IS weight)
 =========== ============================== ===================================================
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

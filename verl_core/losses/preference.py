@@ -14,12 +14,12 @@ shape [B]. ``z`` denotes the DPO log-ratio margin
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
 
 # ---------------------------------------------------------------- sequence log-probs
 
@@ -291,4 +291,3 @@ def orpo_loss(
         rejected_rewards=(lam * avg_r).detach(),
         log_odds_ratio=log_odds_ratio.detach(),
     )
-

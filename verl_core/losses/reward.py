@@ -1,12 +1,14 @@
 """Reward-model losses."""
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
-                       margin: torch.Tensor | None = None, center_coef: float = 0.0) -> torch.Tensor:
+def bradley_terry_loss(
+    chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, margin: torch.Tensor | None = None, center_coef: float = 0.0
+) -> torch.Tensor:
     """Per-pair Bradley–Terry loss ``-log σ(r_c - r_r - m) + c·(r_c + r_r)²``.
 
     Bradley & Terry (1952); as a reward-model objective: Ouyang et al. 2022

@@ -11,10 +11,21 @@ the kernel (the rest of ``verl_core``) never imports it.
     cfg = load_pipeline_config("configs/default.yaml", ["workdir=/tmp/w"])
     pairs = run_stage(cfg, "preference_data", {}).record
 """
+
 from verl_core.pipeline.config import PipelineConfig, load_pipeline_config
 from verl_core.pipeline.records import StageRecord
 from verl_core.pipeline.registry import STAGE_ORDER, STAGES, STEPS, given_record, stage_enabled, stage_for
 from verl_core.pipeline.runner import run_stage
 
-__all__ = ["STAGES", "STAGE_ORDER", "STEPS", "PipelineConfig", "StageRecord", "given_record", "load_pipeline_config",
-           "run_stage", "stage_enabled", "stage_for"]
+__all__ = [
+    "STAGES",
+    "STAGE_ORDER",
+    "STEPS",
+    "PipelineConfig",
+    "StageRecord",
+    "given_record",
+    "load_pipeline_config",
+    "run_stage",
+    "stage_enabled",
+    "stage_for",
+]

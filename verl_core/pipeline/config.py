@@ -17,6 +17,7 @@ Defaults: a setting's default is its trainer config's. :data:`RECIPE` is the one
 the pipeline overrides some of them for the embedded default (a tiny model on a laptop CPU);
 ``configs/default.yaml`` repeats none of it with another value (tests keep both in sync).
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,18 +43,41 @@ PolicyAlgorithm = Literal[("none", *ALGORITHMS)]  # type: ignore[valid-type]
 # The embedded default's recipe, measured on the bundled arithmetic task (bench/online_rl.py):
 # 900 SFT steps reach ~0.5 held-out exact match; the online recipe (128 episodes per rollout
 # step, two epochs of two mini-batches) then adds +0.1 within 40-80 steps.
-_ONLINE = dict(reward_rules=EXACT_MATCH, batch_size=128, mini_batch_size=64, ppo_epochs=2, learning_rate=1e-4,
-               max_new_tokens=24, mixed_precision="auto", save_steps=5)
+_ONLINE = dict(
+    reward_rules=EXACT_MATCH,
+    batch_size=128,
+    mini_batch_size=64,
+    ppo_epochs=2,
+    learning_rate=1e-4,
+    max_new_tokens=24,
+    mixed_precision="auto",
+    save_steps=5,
+)
 _GROUPS = dict(_ONLINE, max_steps=80, num_generations=4)
 _OFFLINE = dict(max_steps=30, learning_rate=1e-5, save_steps=10)
 RECIPE: dict[str, dict[str, Any]] = {
-    "sft": dict(max_steps=900, batch_size=32, learning_rate=2e-3, lr_scheduler="constant", warmup_steps=20,
-                logging_steps=50, save_steps=100, mixed_precision="auto"),
-    "reward_model": dict(max_steps=100, batch_size=16, learning_rate=1e-3, logging_steps=10, save_steps=20,
-                         mixed_precision="auto"),
-    "sample_and_score": dict(n_samples=4, sampling=SamplingParams(max_new_tokens=24),
-                             reward=RewardSourceConfig(reward_rules=EXACT_MATCH), tie_break="logprob",
-                             outputs=["pairs", "unpaired"], formats=["arrow"], progress=False),
+    "sft": dict(
+        max_steps=900,
+        batch_size=32,
+        learning_rate=2e-3,
+        lr_scheduler="constant",
+        warmup_steps=20,
+        logging_steps=50,
+        save_steps=100,
+        mixed_precision="auto",
+    ),
+    "reward_model": dict(
+        max_steps=100, batch_size=16, learning_rate=1e-3, logging_steps=10, save_steps=20, mixed_precision="auto"
+    ),
+    "sample_and_score": dict(
+        n_samples=4,
+        sampling=SamplingParams(max_new_tokens=24),
+        reward=RewardSourceConfig(reward_rules=EXACT_MATCH),
+        tie_break="logprob",
+        outputs=["pairs", "unpaired"],
+        formats=["arrow"],
+        progress=False,
+    ),
     "dpo": dict(_OFFLINE, beta=0.5),
     "kto": dict(_OFFLINE, beta=0.5),
     "simpo": dict(_OFFLINE, simpo_gamma=0.5),
@@ -102,8 +126,12 @@ class _SFTStage(SFTConfig):
 
 
 SFTStageConfig = with_defaults(_SFTStage, "SFTStageConfig", RECIPE["sft"])
-SampleAndScoreConfig = with_defaults(PreferenceDataConfig, "SampleAndScoreConfig", RECIPE["sample_and_score"],
-                                     "Sampling and pairing for ``preference_data.method: sample_and_score``.")
+SampleAndScoreConfig = with_defaults(
+    PreferenceDataConfig,
+    "SampleAndScoreConfig",
+    RECIPE["sample_and_score"],
+    "Sampling and pairing for ``preference_data.method: sample_and_score``.",
+)
 
 
 class PreferenceDataStageConfig(StrictConfig):
@@ -156,8 +184,12 @@ def _policy_section() -> type:
         "prompts": (DataSource, Field(default_factory=DataSource, description="prompts for online algorithms")),
         "use_reward_model": (bool, Field(False, description="online algorithms: add the reward-model stage's score")),
     }
-    fields.update({name: (cls, Field(default_factory=cls, description=ALGORITHMS[name].summary))
-                   for name, cls in ALGORITHM_SECTIONS.items()})
+    fields.update(
+        {
+            name: (cls, Field(default_factory=cls, description=ALGORITHMS[name].summary))
+            for name, cls in ALGORITHM_SECTIONS.items()
+        }
+    )
     model = create_model("PolicyOptimisationStageConfig", __base__=StrictConfig, __module__=__name__, **fields)
     model.__doc__ = doc
     return model
@@ -181,7 +213,9 @@ class TrackingConfig(StrictConfig):
 
     uri: str | None = None
     experiment: str = "verl-core"
-    ui_url: str | None = Field(None, description="MLflow UI base URL for links; default: the URI when http, else http://127.0.0.1:5000")
+    ui_url: str | None = Field(
+        None, description="MLflow UI base URL for links; default: the URI when http, else http://127.0.0.1:5000"
+    )
     log_model: bool = True
     registered_model_name: str | None = "verl-core-policy"
 

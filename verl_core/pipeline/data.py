@@ -1,9 +1,10 @@
 """Rows a stage reads: a configured data source or the bundled task's split, and the pairs a
 preference-data record points at."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from verl_core.config import ConfigError
 from verl_core.pipeline.config import DataSource

@@ -1,5 +1,6 @@
 """The evaluation stage: greedy held-out answers of the base, SFT and final policies, scored by a
 rule (and the reward model when the pipeline has one); a table, a CSV, a plot, the model to register."""
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,9 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
     table = []
     for label, rec in policies:
         if rec.fingerprint not in scored:
-            scored[rec.fingerprint] = score_policy(rec.output_path, rows, c.reward, c.max_new_tokens, rm.output_path if rm else None)
+            scored[rec.fingerprint] = score_policy(
+                rec.output_path, rows, c.reward, c.max_new_tokens, rm.output_path if rm else None
+            )
         table.append({"policy": label, "stage": rec.stage, **scored[rec.fingerprint]})
     metrics = {f"{k}/{row['policy']}": row[k] for row in table for k in ("accuracy", "reward_score") if k in row}
     metrics["accuracy_gain"] = metrics["accuracy/final"] - metrics["accuracy/sft"]
@@ -47,14 +50,33 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
     report.mkdir(exist_ok=True)
     (report / "results.json").write_text(json.dumps({"table": table, "metrics": metrics}, indent=2))
     write_csv(report / "evaluation.csv", table)
-    curves = {r.stage: json.loads(Path(r.extra["history"]).read_text()) for r in ctx.inputs.values()
-              if r is not None and r.extra.get("history") and Path(r.extra["history"]).is_file()}
+    curves = {
+        r.stage: json.loads(Path(r.extra["history"]).read_text())
+        for r in ctx.inputs.values()
+        if r is not None and r.extra.get("history") and Path(r.extra["history"]).is_file()
+    }
     plot = plot_report(table, curves, report / "accuracy.png")
-    return StageOutput(output_path=report, metrics=metrics, tables={"evaluation": table},
-                       artifacts=[plot, report / "evaluation.csv", report / "results.json"], model_to_log=final.output_path,
-                       datasets=[DatasetUse("eval", rows, "evaluation", data_label(c.data, "eval"))],
-                       extra={"final_stage": final.stage, "final_path": final.output_path})
+    return StageOutput(
+        output_path=report,
+        metrics=metrics,
+        tables={"evaluation": table},
+        artifacts=[plot, report / "evaluation.csv", report / "results.json"],
+        model_to_log=final.output_path,
+        datasets=[DatasetUse("eval", rows, "evaluation", data_label(c.data, "eval"))],
+        extra={"final_stage": final.stage, "final_path": final.output_path},
+    )
 
 
-STEP = Step("evaluation", stages=[Stage("evaluation", version="eval-1", fn=evaluation_stage, inputs=("base", "sft"),
-                                        optional=("policy_optimisation", "reward_model"), bundled=_bundled)])
+STEP = Step(
+    "evaluation",
+    stages=[
+        Stage(
+            "evaluation",
+            version="eval-1",
+            fn=evaluation_stage,
+            inputs=("base", "sft"),
+            optional=("policy_optimisation", "reward_model"),
+            bundled=_bundled,
+        )
+    ],
+)

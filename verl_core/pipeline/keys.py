@@ -5,6 +5,7 @@ sub-sections dropped) and the content fingerprints of its inputs and data; never
 output paths or the source text of the code. Same key, same folder: a retried or re-run
 training stage finds its checkpoints there and resumes.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -4,6 +4,7 @@
 Offline algorithms train on the preference-data stage's pairs; online ones sample from the
 configured prompts and score with their rules (plus the reward model when ``use_reward_model``).
 """
+
 from __future__ import annotations
 
 from verl_core import arithmetic
@@ -23,19 +24,30 @@ def _offline(ctx: StageContext, algorithm: Algorithm) -> StageOutput:
     # generated pairs carry scores and indices; the trainers read prompt/chosen/rejected only
     rows = [{k: r[k] for k in PAIR_FIELDS} for r in preference_rows_of(ctx.inputs["preference_data"])]
     source = ctx.inputs["preference_data"].output_path
-    return train_offline(ctx, algorithm.trainer, getattr(ctx.section, algorithm.name), ctx.input_path("sft"), rows,
-                         datasets=[DatasetUse(f"{algorithm.name}-train", rows, "training", source)],
-                         source=f"policy_optimisation.{algorithm.name}")
+    return train_offline(
+        ctx,
+        algorithm.trainer,
+        getattr(ctx.section, algorithm.name),
+        ctx.input_path("sft"),
+        rows,
+        datasets=[DatasetUse(f"{algorithm.name}-train", rows, "training", source)],
+        source=f"policy_optimisation.{algorithm.name}",
+    )
 
 
 def _online(ctx: StageContext, algorithm: Algorithm) -> StageOutput:
     prompts = _prompts(ctx.config)
     reward_model = ctx.input_path("reward_model") if ctx.section.use_reward_model else None
     return train_in_stage(
-        ctx, algorithm.trainer, getattr(ctx.section, algorithm.name), source=f"policy_optimisation.{algorithm.name}",
-        build=lambda config: algorithm.trainer(ctx.input_path("sft"), reward_model=reward_model, prompts=prompts,
-                                               callbacks=ctx.callbacks, config=config),
-        datasets=[DatasetUse(f"{algorithm.name}-prompts", prompts, "training", data_label(ctx.section.prompts, "prompts"))])
+        ctx,
+        algorithm.trainer,
+        getattr(ctx.section, algorithm.name),
+        source=f"policy_optimisation.{algorithm.name}",
+        build=lambda config: algorithm.trainer(
+            ctx.input_path("sft"), reward_model=reward_model, prompts=prompts, callbacks=ctx.callbacks, config=config
+        ),
+        datasets=[DatasetUse(f"{algorithm.name}-prompts", prompts, "training", data_label(ctx.section.prompts, "prompts"))],
+    )
 
 
 def _online_inputs(cfg) -> tuple[str, ...]:
@@ -49,12 +61,22 @@ def _stage(algorithm: Algorithm) -> Stage:
         return train(ctx, algorithm)
 
     if algorithm.kind == "offline":
-        return Stage(f"policy_optimisation:{algorithm.name}", version=f"{algorithm.name}-1", fn=stage,
-                     inputs=("sft", "preference_data"))
-    return Stage(f"policy_optimisation:{algorithm.name}", version=f"{algorithm.name}-1", fn=stage, inputs=_online_inputs,
-                 bundled=lambda cfg: _prompts(cfg) if cfg.policy_optimisation.prompts.path is None else None)
+        return Stage(
+            f"policy_optimisation:{algorithm.name}", version=f"{algorithm.name}-1", fn=stage, inputs=("sft", "preference_data")
+        )
+    return Stage(
+        f"policy_optimisation:{algorithm.name}",
+        version=f"{algorithm.name}-1",
+        fn=stage,
+        inputs=_online_inputs,
+        bundled=lambda cfg: _prompts(cfg) if cfg.policy_optimisation.prompts.path is None else None,
+    )
 
 
-STEP = Step("policy_optimisation", given_field="model_path", selector="algorithm",
-            enabled=lambda cfg: cfg.policy_optimisation.algorithm != "none" or cfg.policy_optimisation.model_path is not None,
-            stages=[_stage(a) for a in ALGORITHMS.values()])
+STEP = Step(
+    "policy_optimisation",
+    given_field="model_path",
+    selector="algorithm",
+    enabled=lambda cfg: cfg.policy_optimisation.algorithm != "none" or cfg.policy_optimisation.model_path is not None,
+    stages=[_stage(a) for a in ALGORITHMS.values()],
+)

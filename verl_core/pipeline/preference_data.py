@@ -1,5 +1,6 @@
 """The preference-data stage, two variants: the bundled task's pairs, or pairs sampled from the
 SFT policy and scored (``sample_and_score``)."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,11 @@ def bundled_stage(ctx: StageContext) -> StageOutput:
     data.mkdir(exist_ok=True)
     with open(data / "pairs.jsonl", "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in rows)
-    return StageOutput(output_path=data, metrics={"pairs": len(rows)},
-                       datasets=[DatasetUse("preference-pairs", rows, "output", "bundled:arithmetic/pairs")])
+    return StageOutput(
+        output_path=data,
+        metrics={"pairs": len(rows)},
+        datasets=[DatasetUse("preference-pairs", rows, "output", "bundled:arithmetic/pairs")],
+    )
 
 
 def _prompts(cfg) -> list[dict]:
@@ -44,16 +48,33 @@ def sample_and_score_stage(ctx: StageContext) -> StageOutput:
     result = generate_preference_data(ctx.input_path("sft"), prompts, c.sample_and_score, ctx.output_dir / "data")
     pairs = load_rows(str(result.paths["pairs"])).to_list()
     if not pairs:
-        raise ConfigError(f"sample_and_score made no pairs from {len(prompts)} prompts (every prompt's samples tied); "
-                          "raise preference_data.sample_and_score.n_samples or the sampling temperature")
+        raise ConfigError(
+            f"sample_and_score made no pairs from {len(prompts)} prompts (every prompt's samples tied); "
+            "raise preference_data.sample_and_score.n_samples or the sampling temperature"
+        )
     stats = {k: float(v) for k, v in result.stats.items() if isinstance(v, (int, float))}
-    return StageOutput(output_path=ctx.output_dir / "data", metrics={"pairs": len(pairs), **stats},
-                       datasets=[DatasetUse("prompts", prompts, "training", data_label(c.prompts, "prompts")),
-                                 DatasetUse("preference-pairs", pairs, "output", str(result.paths["pairs"]))])
+    return StageOutput(
+        output_path=ctx.output_dir / "data",
+        metrics={"pairs": len(pairs), **stats},
+        datasets=[
+            DatasetUse("prompts", prompts, "training", data_label(c.prompts, "prompts")),
+            DatasetUse("preference-pairs", pairs, "output", str(result.paths["pairs"])),
+        ],
+    )
 
 
-STEP = Step("preference_data", given_field="path", selector="method", stages=[
-    Stage("preference_data:bundled", version="pairs-1", fn=bundled_stage, bundled=_bundled_pairs),
-    Stage("preference_data:sample_and_score", version="sample-1", fn=sample_and_score_stage, inputs=("sft",),
-          bundled=lambda cfg: _prompts(cfg) if cfg.preference_data.prompts.path is None else None),
-])
+STEP = Step(
+    "preference_data",
+    given_field="path",
+    selector="method",
+    stages=[
+        Stage("preference_data:bundled", version="pairs-1", fn=bundled_stage, bundled=_bundled_pairs),
+        Stage(
+            "preference_data:sample_and_score",
+            version="sample-1",
+            fn=sample_and_score_stage,
+            inputs=("sft",),
+            bundled=lambda cfg: _prompts(cfg) if cfg.preference_data.prompts.path is None else None,
+        ),
+    ],
+)

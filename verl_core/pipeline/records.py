@@ -5,11 +5,13 @@ A stage returns a small, serialisable :class:`StageRecord`, never a live model: 
 wrote, a content fingerprint, its headline metrics and its MLflow run id. That is what makes
 Prefect caching cheap and any stage runnable alone.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from pydantic import BaseModel, Field
 

@@ -5,21 +5,25 @@ Adding a step = a module with its ``STEP`` and one entry in :data:`STEPS`; addin
 step (a new algorithm) = one entry in that step's registry (for algorithms:
 :data:`verl_core.algorithms.registry.ALGORITHMS`).
 """
+
 from __future__ import annotations
 
 from verl_core.config import ConfigError
+from verl_core.fingerprint import fingerprint_path
 from verl_core.pipeline import evaluation, policy_optimisation, preference_data, reward_model, sft
 from verl_core.pipeline.config import PipelineConfig
-from verl_core.fingerprint import fingerprint_path
 from verl_core.pipeline.records import Stage, StageRecord, Step
 
-STEPS: dict[str, Step] = {s.name: s for s in (
-    sft.STEP,                  # base model + SFT data -> SFT policy   (given: sft.model_path)
-    preference_data.STEP,      # prompts -> (prompt, chosen, rejected) (given: preference_data.path)
-    reward_model.STEP,         # pairs -> Bradley-Terry reward model   (given: reward_model.model_path)
-    policy_optimisation.STEP,  # SFT policy -> final policy            (policy_optimisation.algorithm)
-    evaluation.STEP,           # final vs SFT policy; register the final policy
-)}
+STEPS: dict[str, Step] = {
+    s.name: s
+    for s in (
+        sft.STEP,  # base model + SFT data -> SFT policy   (given: sft.model_path)
+        preference_data.STEP,  # prompts -> (prompt, chosen, rejected) (given: preference_data.path)
+        reward_model.STEP,  # pairs -> Bradley-Terry reward model   (given: reward_model.model_path)
+        policy_optimisation.STEP,  # SFT policy -> final policy            (policy_optimisation.algorithm)
+        evaluation.STEP,  # final vs SFT policy; register the final policy
+    )
+}
 STAGE_ORDER: tuple[str, ...] = tuple(STEPS)
 STAGES: dict[str, Stage] = {stage.name: stage for step in STEPS.values() for stage in step.stages}
 

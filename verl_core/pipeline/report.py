@@ -1,4 +1,5 @@
 """The evaluation report's files: a CSV of the table and one PNG (accuracy per policy, loss curves)."""
+
 from __future__ import annotations
 
 import csv

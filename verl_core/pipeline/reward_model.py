@@ -1,5 +1,6 @@
 """The reward-model stage: a Bradley–Terry model trained on the preference pairs, initialised
 from the SFT policy (or the base model); the last ``eval_fraction`` of the pairs is held out."""
+
 from __future__ import annotations
 
 from verl_core.pipeline.data import preference_rows_of
@@ -15,11 +16,22 @@ def reward_model_stage(ctx: StageContext) -> StageOutput:
     n_eval = int(len(rows) * c.eval_fraction)
     train, held = (rows[:-n_eval], rows[-n_eval:]) if n_eval else (rows, [])
     source = ctx.inputs["preference_data"].output_path
-    uses = [DatasetUse("rm-train", train, "training", source)] + ([DatasetUse("rm-eval", held, "evaluation", source)] if held else [])
+    uses = [DatasetUse("rm-train", train, "training", source)] + (
+        [DatasetUse("rm-eval", held, "evaluation", source)] if held else []
+    )
     return train_offline(ctx, RewardTrainer, c, ctx.input_path(c.init_from), train, eval_rows=held, datasets=uses)
 
 
-STEP = Step("reward_model", given_field="model_path",
-            enabled=lambda cfg: cfg.reward_model.enabled or cfg.reward_model.model_path is not None,
-            stages=[Stage("reward_model", version="rm-1", fn=reward_model_stage,
-                          inputs=lambda cfg: (cfg.reward_model.init_from, "preference_data"))])
+STEP = Step(
+    "reward_model",
+    given_field="model_path",
+    enabled=lambda cfg: cfg.reward_model.enabled or cfg.reward_model.model_path is not None,
+    stages=[
+        Stage(
+            "reward_model",
+            version="rm-1",
+            fn=reward_model_stage,
+            inputs=lambda cfg: (cfg.reward_model.init_from, "preference_data"),
+        )
+    ],
+)

@@ -2,11 +2,12 @@
 
 Prefect tasks (``tasks/``), the distributed worker and tests call it the same way; no Prefect here.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
@@ -17,8 +18,13 @@ from verl_core.pipeline.records import HISTORY_FILE, RECORD_FILE, StageContext, 
 from verl_core.pipeline.registry import stage_for, variant_of
 
 
-def run_stage(config: PipelineConfig, name: str, inputs: dict[str, StageRecord | None],
-              callbacks: Sequence[Callback] = (), run_id: str | None = None) -> StageResult:
+def run_stage(
+    config: PipelineConfig,
+    name: str,
+    inputs: dict[str, StageRecord | None],
+    callbacks: Sequence[Callback] = (),
+    run_id: str | None = None,
+) -> StageResult:
     """Run step ``name`` into its deterministic folder and return its record.
 
     A folder that already holds a complete record with the same key is reused as is; the record
@@ -38,13 +44,21 @@ def run_stage(config: PipelineConfig, name: str, inputs: dict[str, StageRecord |
             history = json.loads(hist.read_text()) if hist.is_file() else {}
             return StageResult(record, StageOutput(Path(record.output_path), record.metrics, history), reused=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = StageContext(config, name, variant_of(config, name), {k: v for k, v in inputs.items() if v is not None},
-                       out_dir, list(callbacks))
+    ctx = StageContext(
+        config, name, variant_of(config, name), {k: v for k, v in inputs.items() if v is not None}, out_dir, list(callbacks)
+    )
     output = stage.fn(ctx)
     metrics = {k: float(v) for k, v in output.metrics.items() if isinstance(v, (int, float))}
-    record = StageRecord(stage=name, variant=ctx.variant, output_path=str(output.output_path),
-                         fingerprint=fingerprint_path(output.output_path), metrics=metrics,
-                         mlflow_run_id=run_id, cache_key=key, extra=output.extra)
+    record = StageRecord(
+        stage=name,
+        variant=ctx.variant,
+        output_path=str(output.output_path),
+        fingerprint=fingerprint_path(output.output_path),
+        metrics=metrics,
+        mlflow_run_id=run_id,
+        cache_key=key,
+        extra=output.extra,
+    )
     if output.history:
         (out_dir / HISTORY_FILE).write_text(json.dumps(output.history))
         record.extra["history"] = str(out_dir / HISTORY_FILE)

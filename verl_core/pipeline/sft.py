@@ -1,4 +1,5 @@
 """The SFT stage: the base model trained on prompt/completion rows (bundled arithmetic by default)."""
+
 from __future__ import annotations
 
 from verl_core import arithmetic
@@ -16,9 +17,16 @@ def sft_stage(ctx: StageContext) -> StageOutput:
 
     c = ctx.section
     rows = _bundled(ctx.config) or load_data(c.data, None)
-    return train_offline(ctx, SFTTrainer, c, ctx.input_path("base"), rows,
-                         datasets=[DatasetUse("sft-train", rows, "training", data_label(c.data, "sft"))])
+    return train_offline(
+        ctx,
+        SFTTrainer,
+        c,
+        ctx.input_path("base"),
+        rows,
+        datasets=[DatasetUse("sft-train", rows, "training", data_label(c.data, "sft"))],
+    )
 
 
-STEP = Step("sft", given_field="model_path",
-            stages=[Stage("sft", version="sft-1", fn=sft_stage, inputs=("base",), bundled=_bundled)])
+STEP = Step(
+    "sft", given_field="model_path", stages=[Stage("sft", version="sft-1", fn=sft_stage, inputs=("base",), bundled=_bundled)]
+)

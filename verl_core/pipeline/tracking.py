@@ -4,6 +4,7 @@ Everything goes through an explicit run id (``MlflowClient``), never the thread'
 active run, because Prefect runs tasks in worker threads. No Prefect import here:
 callers pass the Prefect ids they want as tags.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,7 +35,7 @@ def configure(config: PipelineConfig) -> str:
 
     uri = tracking_uri(config)
     if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
     return uri
 
@@ -62,7 +63,7 @@ def artifact_location(config: PipelineConfig) -> str | None:
     uri = tracking_uri(config)
     if uri.startswith(("http://", "https://", "databricks")):
         return None
-    root = Path(uri[len("sqlite:///"):]).parent if uri.startswith("sqlite:///") else config.workdir_path
+    root = Path(uri[len("sqlite:///") :]).parent if uri.startswith("sqlite:///") else config.workdir_path
     return (root / "mlartifacts").as_uri()
 
 
@@ -107,8 +108,13 @@ def _open(config: PipelineConfig, reuse_tag: str | None, reuse_value: str | None
 
 def start_pipeline_run(config: PipelineConfig, flow_name: str, flow_run_id: str | None = None) -> str:
     """The parent run of one pipeline run: params = the whole config, artifact = config.yaml."""
-    run_id = _open(config, FLOW_RUN_TAG, flow_run_id, f"{config.name}:{flow_name}",
-                   {FLOW_RUN_TAG: flow_run_id or "", "verl_core.flow": flow_name})
+    run_id = _open(
+        config,
+        FLOW_RUN_TAG,
+        flow_run_id,
+        f"{config.name}:{flow_name}",
+        {FLOW_RUN_TAG: flow_run_id or "", "verl_core.flow": flow_name},
+    )
     log_params(config, run_id, flatten(config.model_dump(mode="json")))
     with tempfile.TemporaryDirectory() as tmp:
         config.to_yaml(Path(tmp) / "config.yaml")
@@ -116,12 +122,26 @@ def start_pipeline_run(config: PipelineConfig, flow_name: str, flow_run_id: str 
     return run_id
 
 
-def start_stage_run(config: PipelineConfig, parent_run_id: str | None, stage: str, variant: str | None, key: str,
-                    flow_run_id: str | None = None, task_run_id: str | None = None, attempt: int | None = None) -> str:
+def start_stage_run(
+    config: PipelineConfig,
+    parent_run_id: str | None,
+    stage: str,
+    variant: str | None,
+    key: str,
+    flow_run_id: str | None = None,
+    task_run_id: str | None = None,
+    attempt: int | None = None,
+) -> str:
     """A nested run for one stage; a retry of the same Prefect task run reuses it (tagged with the attempt)."""
-    tags = {PARENT_TAG: parent_run_id or "", STAGE_TAG: stage, "verl_core.variant": variant or "",
-            "verl_core.cache_key": key, FLOW_RUN_TAG: flow_run_id or "", TASK_RUN_TAG: task_run_id or "",
-            "prefect.attempt": str(attempt) if attempt else ""}
+    tags = {
+        PARENT_TAG: parent_run_id or "",
+        STAGE_TAG: stage,
+        "verl_core.variant": variant or "",
+        "verl_core.cache_key": key,
+        FLOW_RUN_TAG: flow_run_id or "",
+        TASK_RUN_TAG: task_run_id or "",
+        "prefect.attempt": str(attempt) if attempt else "",
+    }
     run_id = _open(config, TASK_RUN_TAG, task_run_id, stage if not variant else f"{stage}-{variant}", tags)
     section = getattr(config, stage).model_dump(mode="json")
     log_params(config, run_id, flatten(section))
@@ -136,7 +156,7 @@ def log_params(config: PipelineConfig, run_id: str, params: dict[str, str]) -> N
     existing = c.get_run(run_id).data.params
     fresh = [Param(k, v) for k, v in params.items() if k not in existing]
     for i in range(0, len(fresh), 100):
-        c.log_batch(run_id, params=fresh[i:i + 100])
+        c.log_batch(run_id, params=fresh[i : i + 100])
 
 
 def log_inputs(config: PipelineConfig, run_id: str, inputs: dict[str, StageRecord | None]) -> None:
@@ -159,10 +179,13 @@ def log_stage_result(config: PipelineConfig, run_id: str, result: StageResult) -
     now, step = int(time.time() * 1000), int(rec.extra.get("steps", 0))
     metrics = [Metric(f"final/{k}", v, now, step) for k, v in rec.metrics.items()]
     for i in range(0, len(metrics), 500):
-        c.log_batch(run_id, metrics=metrics[i:i + 500])
-    for k, v in {"fingerprint": rec.fingerprint, "output_path": rec.output_path,
-                 "reused_output": str(result.reused).lower(),
-                 "resumed_from_step": str(rec.extra.get("resumed_from_step", 0))}.items():
+        c.log_batch(run_id, metrics=metrics[i : i + 500])
+    for k, v in {
+        "fingerprint": rec.fingerprint,
+        "output_path": rec.output_path,
+        "reused_output": str(result.reused).lower(),
+        "resumed_from_step": str(rec.extra.get("resumed_from_step", 0)),
+    }.items():
         c.set_tag(run_id, f"verl_core.{k}", v)
     for use in out.datasets:
         log_dataset(config, run_id, use.name, use.rows, use.context, use.source)
@@ -184,7 +207,9 @@ def log_dataset(config: PipelineConfig, run_id: str, name: str, rows: list[dict]
         import mlflow.data
 
         ds = mlflow.data.from_pandas(df, source=CodeDatasetSource({"source": source}), name=name)
-        client(config).log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])])
+        client(config).log_inputs(
+            run_id, datasets=[DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)])]
+        )
     except Exception as err:  # tracking must never break training
         log.warning("could not log dataset %s to MLflow: %s", name, err)
 
@@ -198,8 +223,13 @@ def log_model(config: PipelineConfig, run_id: str, model_path: str, registered_n
     model, tok = load_causal_lm(model_path, trainable=False), load_tokenizer(model_path)
     configure(config)
     with mlflow.start_run(run_id=run_id):  # the active-run stack is thread-local: safe in a task thread
-        info = mlflow.transformers.log_model({"model": model, "tokenizer": tok}, name="policy", task="text-generation",
-                                             pip_requirements=PIP_REQUIREMENTS, registered_model_name=registered_name)
+        info = mlflow.transformers.log_model(
+            {"model": model, "tokenizer": tok},
+            name="policy",
+            task="text-generation",
+            pip_requirements=PIP_REQUIREMENTS,
+            registered_model_name=registered_name,
+        )
     return str(info.registered_model_version) if getattr(info, "registered_model_version", None) else None
 
 

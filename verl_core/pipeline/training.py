@@ -1,18 +1,26 @@
 """Training inside a stage: the stage section's settings become the trainer's config, the
 stage folder its ``output_dir`` (so a retried stage resumes from its checkpoints)."""
+
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from pydantic import BaseModel
 
 from verl_core.pipeline.records import DatasetUse, StageContext, StageOutput
 
 
-def train_in_stage(ctx: StageContext, trainer_cls: type, settings: BaseModel, build: Callable[[Any], Any],
-                   datasets: Sequence[DatasetUse] = (), source: str | None = None) -> StageOutput:
+def train_in_stage(
+    ctx: StageContext,
+    trainer_cls: type,
+    settings: BaseModel,
+    build: Callable[[Any], Any],
+    datasets: Sequence[DatasetUse] = (),
+    source: str | None = None,
+) -> StageOutput:
     """Train into ``ctx.output_dir`` (resuming its checkpoints) and describe the result.
 
     ``settings``' fields that ``trainer_cls.config_cls`` knows become its config (a stage section
@@ -24,13 +32,33 @@ def train_in_stage(ctx: StageContext, trainer_cls: type, settings: BaseModel, bu
     result = build(cfg_cls.from_dict(values, source=source or f"{ctx.name} settings")).train()
     if not ctx.config.orchestration.keep_checkpoints:
         shutil.rmtree(ctx.output_dir / "checkpoints", ignore_errors=True)
-    return StageOutput(output_path=Path(result.output_dir), metrics=result.metrics, history=result.history,
-                       datasets=list(datasets), extra={"steps": result.steps, "resumed_from_step": result.resumed_from_step})
+    return StageOutput(
+        output_path=Path(result.output_dir),
+        metrics=result.metrics,
+        history=result.history,
+        datasets=list(datasets),
+        extra={"steps": result.steps, "resumed_from_step": result.resumed_from_step},
+    )
 
 
-def train_offline(ctx: StageContext, trainer_cls: type, settings: BaseModel, model: str, rows: list[dict],
-                  eval_rows: list[dict] | None = None, datasets: Sequence[DatasetUse] = (),
-                  source: str | None = None) -> StageOutput:
+def train_offline(
+    ctx: StageContext,
+    trainer_cls: type,
+    settings: BaseModel,
+    model: str,
+    rows: list[dict],
+    eval_rows: list[dict] | None = None,
+    datasets: Sequence[DatasetUse] = (),
+    source: str | None = None,
+) -> StageOutput:
     """:func:`train_in_stage` for a trainer that reads rows (SFT, reward model, DPO family, KTO)."""
-    return train_in_stage(ctx, trainer_cls, settings, datasets=datasets, source=source, build=lambda config: trainer_cls(
-        model, train_dataset=rows, eval_dataset=eval_rows or None, config=config, callbacks=ctx.callbacks))
+    return train_in_stage(
+        ctx,
+        trainer_cls,
+        settings,
+        datasets=datasets,
+        source=source,
+        build=lambda config: trainer_cls(
+            model, train_dataset=rows, eval_dataset=eval_rows or None, config=config, callbacks=ctx.callbacks
+        ),
+    )

@@ -32,9 +32,18 @@ sample under the policy (clearer negatives when the reward is binary; each shard
 sequence log-prob at the sampling temperature). A prompt whose samples all got the same
 score is an *all-tie* prompt: it gives no pair and is listed in the statistics.
 """
+
 from verl_core.preference_data.config import OUTPUT_KINDS, PreferenceDataConfig, PreferenceDataResult, ShardMismatchError
 from verl_core.preference_data.generate import derive_seed, fingerprint_weights, generate_preference_data
 from verl_core.preference_data.rows import build_rows
 
-__all__ = ["OUTPUT_KINDS", "PreferenceDataConfig", "PreferenceDataResult", "ShardMismatchError", "build_rows",
-           "derive_seed", "fingerprint_weights", "generate_preference_data"]
+__all__ = [
+    "OUTPUT_KINDS",
+    "PreferenceDataConfig",
+    "PreferenceDataResult",
+    "ShardMismatchError",
+    "build_rows",
+    "derive_seed",
+    "fingerprint_weights",
+    "generate_preference_data",
+]

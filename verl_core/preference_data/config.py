@@ -1,4 +1,5 @@
 """Settings, result record and constants of preference-data generation."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,18 +27,23 @@ class PreferenceDataConfig(StrictConfig):
     """How to sample, score, pair and label; see the package docstring for the rules."""
 
     n_samples: int = Field(8, ge=2, description="completions sampled per prompt")
-    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(max_new_tokens=64),
-                                     description="temperature, top_p, top_k, max_new_tokens, batch_size; n must be 1 or n_samples")
+    sampling: SamplingParams = Field(
+        default_factory=lambda: SamplingParams(max_new_tokens=64),
+        description="temperature, top_p, top_k, max_new_tokens, batch_size; n must be 1 or n_samples",
+    )
     seed: int = 0
-    reward: RewardSourceConfig = Field(default_factory=RewardSourceConfig,
-                                       description="rules and/or a reward model; nothing given means exact_match")
+    reward: RewardSourceConfig = Field(
+        default_factory=RewardSourceConfig, description="rules and/or a reward model; nothing given means exact_match"
+    )
     min_margin: float = Field(0.0, ge=0, description="a pair needs chosen_score - rejected_score >= min_margin (and > 0)")
     pairing: Literal["best_worst", "all_pairs"] = "best_worst"
     tie_break: Literal["sample_order", "logprob"] = Field(
-        "sample_order", description="among equal scores, best = first sample / most likely one, worst = first / least likely")
+        "sample_order", description="among equal scores, best = first sample / most likely one, worst = first / least likely"
+    )
     max_pairs_per_prompt: int | None = Field(None, ge=1, description="cap for all_pairs (largest margins first)")
     kto_labelling: Literal["threshold", "rank"] = Field(
-        "threshold", description="threshold: desirable iff score >= kto_threshold; rank: above/below the prompt's mean score")
+        "threshold", description="threshold: desirable iff score >= kto_threshold; rank: above/below the prompt's mean score"
+    )
     kto_threshold: float = 0.5
     best_of_n_min_score: float | None = Field(None, description="best-of-n rows only where the best score reaches this")
     shard_size: int = Field(64, ge=1, description="prompts per shard (the unit of resumption)")
@@ -50,7 +56,7 @@ class PreferenceDataConfig(StrictConfig):
     progress: bool = True
 
     @model_validator(mode="after")
-    def _check_n(self) -> "PreferenceDataConfig":
+    def _check_n(self) -> PreferenceDataConfig:
         if self.sampling.n not in (1, self.n_samples):
             raise ValueError(f"sampling.n ({self.sampling.n}) must be 1 or equal n_samples ({self.n_samples})")
         return self

@@ -1,4 +1,5 @@
 """Sampling, scoring, resumable shards and the written datasets (see the package docstring)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -7,8 +8,9 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -40,8 +42,10 @@ def fingerprint_weights(path: str | os.PathLike) -> dict[str, Any]:
     if not p.exists():
         return {"sha256": fingerprint_path(path), "files": [], "remote": True}
     files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
-    return {"sha256": fingerprint_path(p, WEIGHT_SUFFIXES),
-            "files": [str(f.relative_to(p)) if p.is_dir() else f.name for f in files]}
+    return {
+        "sha256": fingerprint_path(p, WEIGHT_SUFFIXES),
+        "files": [str(f.relative_to(p)) if p.is_dir() else f.name for f in files],
+    }
 
 
 def fingerprint_module(model: torch.nn.Module) -> dict[str, Any]:
@@ -68,20 +72,31 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _describe_source(source: RewardSource, config: RewardSourceConfig) -> dict[str, Any]:
     rm = source.reward_model
-    out: dict[str, Any] = {"rules": dict(source.rules), "functions": {n: w for n, (_, w) in source.functions.items()},
-                           "reward_model": None}
+    out: dict[str, Any] = {
+        "rules": dict(source.rules),
+        "functions": {n: w for n, (_, w) in source.functions.items()},
+        "reward_model": None,
+    }
     if rm is not None:
         path = config.reward_model_path or getattr(rm.model.config, "_name_or_path", None)
-        out["reward_model"] = {"path": str(path) if path else None, "weight": source.reward_model_weight,
-                               "fingerprint": fingerprint_module(rm.model)["sha256"]}
+        out["reward_model"] = {
+            "path": str(path) if path else None,
+            "weight": source.reward_model_weight,
+            "fingerprint": fingerprint_module(rm.model)["sha256"],
+        }
     return out
 
 
-def generate_preference_data(policy_path: str | os.PathLike | LLMPolicy, prompts: Any,
-                             config: PreferenceDataConfig | dict | None, output_dir: str | os.PathLike,
-                             reward_model: RewardModel | str | os.PathLike | None = None,
-                             reward_functions: UserRewards = None, overwrite: bool = False,
-                             on_shard_end: Callable[[int, Path], None] | None = None) -> PreferenceDataResult:
+def generate_preference_data(
+    policy_path: str | os.PathLike | LLMPolicy,
+    prompts: Any,
+    config: PreferenceDataConfig | dict | None,
+    output_dir: str | os.PathLike,
+    reward_model: RewardModel | str | os.PathLike | None = None,
+    reward_functions: UserRewards = None,
+    overwrite: bool = False,
+    on_shard_end: Callable[[int, Path], None] | None = None,
+) -> PreferenceDataResult:
     """Sample, score, pair and label; write datasets, shards and provenance under ``output_dir``.
 
     ``prompts``: anything :func:`~verl_core.data.load_rows` reads, with ``prompt`` (text or message
@@ -97,8 +112,9 @@ def generate_preference_data(policy_path: str | os.PathLike | LLMPolicy, prompts
         config = PreferenceDataConfig.from_dict(dict(config or {}), source="generate_preference_data")
     out = Path(output_dir)
     shard_dir = out / "shards"
-    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if config.device == "auto" else config.device))
+    device = torch.device(
+        "cuda" if config.device == "auto" and torch.cuda.is_available() else ("cpu" if config.device == "auto" else config.device)
+    )
     if isinstance(policy_path, LLMPolicy):
         policy, policy_fp = policy_path, fingerprint_module(policy_path.model)
     else:
@@ -111,10 +127,16 @@ def generate_preference_data(policy_path: str | os.PathLike | LLMPolicy, prompts
     examples = tokenize_prompts(prompts, policy.tokenizer, max_prompt_length=config.max_prompt_length)
     params = config.sampling_params()
     manifest = {
-        "format": FORMAT_VERSION, "policy_fingerprint": policy_fp["sha256"], "device": device.type, "dtype": config.dtype,
+        "format": FORMAT_VERSION,
+        "policy_fingerprint": policy_fp["sha256"],
+        "device": device.type,
+        "dtype": config.dtype,
         "prompts_fingerprint": _json_hash([[e["prompt"], e["ground_truth"]] for e in examples]),
-        "sampling": params.model_dump(mode="json"), "seed": config.seed, "shard_size": config.shard_size,
-        "batch_size": config.batch_size, "max_prompt_length": config.max_prompt_length,
+        "sampling": params.model_dump(mode="json"),
+        "seed": config.seed,
+        "shard_size": config.shard_size,
+        "batch_size": config.batch_size,
+        "max_prompt_length": config.max_prompt_length,
         "reward": _describe_source(source, config.reward),
     }
     _prepare_shard_dir(shard_dir, manifest, overwrite)
@@ -123,15 +145,22 @@ def generate_preference_data(policy_path: str | os.PathLike | LLMPolicy, prompts
     todo = [i for i in range(n_shards) if _read_shard(shard_dir, i, _shard_range(i, config, len(examples)), params.n) is None]
     done_prompts = len(examples) - sum(len(range(*_shard_range(i, config, len(examples)))) for i in todo)
     backend = policy.rollout_backend()
-    with tqdm(total=len(examples), initial=done_prompts, disable=not config.progress, desc="preference data",
-              unit="prompt", dynamic_ncols=True) as bar:
+    with tqdm(
+        total=len(examples),
+        initial=done_prompts,
+        disable=not config.progress,
+        desc="preference data",
+        unit="prompt",
+        dynamic_ncols=True,
+    ) as bar:
         for shard in todo:
             start, stop = _shard_range(shard, config, len(examples))
             records: list[dict] = []
             for b, lo in enumerate(range(start, stop, config.batch_size)):
-                chunk = examples[lo:min(lo + config.batch_size, stop)]
-                records += _sample_and_score(backend, policy.tokenizer, source, chunk, lo, params,
-                                             derive_seed(config.seed, shard, b))
+                chunk = examples[lo : min(lo + config.batch_size, stop)]
+                records += _sample_and_score(
+                    backend, policy.tokenizer, source, chunk, lo, params, derive_seed(config.seed, shard, b)
+                )
                 bar.update(len(chunk))
             path = _shard_path(shard_dir, shard)
             _write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
@@ -147,9 +176,15 @@ def generate_preference_data(policy_path: str | os.PathLike | LLMPolicy, prompts
     provenance = {
         "format": FORMAT_VERSION,
         "policy": {"path": str(policy.source if isinstance(policy_path, LLMPolicy) else policy_path), **policy_fp},
-        "reward": manifest["reward"], "sampling": manifest["sampling"], "seed": config.seed, "device": device.type,
-        "prompts_fingerprint": manifest["prompts_fingerprint"], "config": config.model_dump(mode="json"),
-        "counts": counts, "stats": stats, "shards": n_shards,
+        "reward": manifest["reward"],
+        "sampling": manifest["sampling"],
+        "seed": config.seed,
+        "device": device.type,
+        "prompts_fingerprint": manifest["prompts_fingerprint"],
+        "config": config.model_dump(mode="json"),
+        "counts": counts,
+        "stats": stats,
+        "shards": n_shards,
     }
     paths["provenance"] = out / "provenance.json"
     _write_atomic(paths["provenance"], json.dumps(provenance, indent=2, sort_keys=True) + "\n")
@@ -173,8 +208,9 @@ def _prepare_shard_dir(shard_dir: Path, manifest: dict, overwrite: bool) -> None
         old = json.loads(path.read_text())
         if old != json.loads(json.dumps(manifest)):
             diff = sorted(k for k in set(old) | set(manifest) if old.get(k) != json.loads(json.dumps(manifest)).get(k))
-            raise ShardMismatchError(f"{shard_dir} holds shards sampled with other settings (differ: {diff}); "
-                                     "use another output_dir or overwrite=True")
+            raise ShardMismatchError(
+                f"{shard_dir} holds shards sampled with other settings (differ: {diff}); use another output_dir or overwrite=True"
+            )
     shard_dir.mkdir(parents=True, exist_ok=True)
     for stale in shard_dir.glob(".*.tmp-*"):
         stale.unlink()
@@ -197,8 +233,9 @@ def _read_shard(shard_dir: Path, shard: int, span: tuple[int, int], n: int) -> l
     return records
 
 
-def _sample_and_score(backend, tokenizer, source: RewardSource, chunk: list[dict], first_index: int,
-                     params: SamplingParams, seed: int) -> list[dict]:
+def _sample_and_score(
+    backend, tokenizer, source: RewardSource, chunk: list[dict], first_index: int, params: SamplingParams, seed: int
+) -> list[dict]:
     """One generate call for ``chunk``; a record per sample with its text and scores."""
     batch = backend.generate([e["prompt_ids"] for e in chunk], params, seed=seed)
     texts = decode_responses(tokenizer, batch)
@@ -208,12 +245,20 @@ def _sample_and_score(backend, tokenizer, source: RewardSource, chunk: list[dict
     logprobs = (batch.logprobs * batch.response_mask).sum(-1).tolist()
     records = []
     for k, (text, owner) in enumerate(zip(texts, owners)):
-        records.append({
-            "prompt_index": first_index + k // params.n, "sample_index": k % params.n,
-            "prompt": owner["prompt"], "ground_truth": owner["ground_truth"], "completion": text,
-            "score": float(scores.total[k]), "components": {n: float(v[k]) for n, v in scores.components.items()},
-            "finished": bool(finished[k]), "num_tokens": int(lengths[k]), "logprob": float(logprobs[k]),
-        })
+        records.append(
+            {
+                "prompt_index": first_index + k // params.n,
+                "sample_index": k % params.n,
+                "prompt": owner["prompt"],
+                "ground_truth": owner["ground_truth"],
+                "completion": text,
+                "score": float(scores.total[k]),
+                "components": {n: float(v[k]) for n, v in scores.components.items()},
+                "finished": bool(finished[k]),
+                "num_tokens": int(lengths[k]),
+                "logprob": float(logprobs[k]),
+            }
+        )
     return records
 
 

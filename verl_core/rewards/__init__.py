@@ -3,6 +3,7 @@
 ``RewardSource`` combines them with weights; every source is checked and a failing one raises
 :class:`RewardError` naming the source and the sample.
 """
+
 from verl_core.rewards.model import RewardModel, RewardScores, RewardSource, RewardSourceConfig
 from verl_core.rewards.rules import (
     RULE_REWARDS,

@@ -8,12 +8,14 @@ The combined score of completion ``i`` is a weighted sum over sources::
 
     r_i = sum_rule w_rule * rule(i) + w_rm * RM(prompt_i, completion_i) + sum_fn w_fn * fn(i)
 """
+
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Union
 
 import torch
 from pydantic import Field
@@ -47,8 +49,14 @@ class RewardModel:
         self.autocast_dtype: torch.dtype | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: DType = "float32", batch_size: int = 64,
-                        max_length: int = 1024, trust_remote_code: bool = False) -> "RewardModel":
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        dtype: DType = "float32",
+        batch_size: int = 64,
+        max_length: int = 1024,
+        trust_remote_code: bool = False,
+    ) -> RewardModel:
         model = load_reward_model(path, dtype=dtype, trust_remote_code=trust_remote_code, trainable=False)
         return cls(model, load_tokenizer(path, trust_remote_code=trust_remote_code), batch_size, max_length)
 
@@ -56,7 +64,7 @@ class RewardModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def to(self, device: torch.device | str) -> "RewardModel":
+    def to(self, device: torch.device | str) -> RewardModel:
         self.model.to(device)
         return self
 
@@ -77,8 +85,9 @@ class RewardModel:
         return prompt_ids, completion_ids
 
     @torch.no_grad()
-    def score(self, prompts: Sequence[Prompt] | Sequence[Sequence[int]],
-              completions: Sequence[str] | Sequence[Sequence[int]]) -> torch.Tensor:
+    def score(
+        self, prompts: Sequence[Prompt] | Sequence[Sequence[int]], completions: Sequence[str] | Sequence[Sequence[int]]
+    ) -> torch.Tensor:
         """Scores of ``completions`` given ``prompts`` (texts, or ids of this tokenizer); [N] fp32 on CPU."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
@@ -88,12 +97,13 @@ class RewardModel:
             prompt_ids, completion_ids = [list(p) for p in prompts], [list(c) for c in completions]
         out = []
         for start in range(0, len(prompt_ids), self.batch_size):
-            p = prompt_ids[start:start + self.batch_size]
-            c = completion_ids[start:start + self.batch_size]
+            p = prompt_ids[start : start + self.batch_size]
+            c = completion_ids[start : start + self.batch_size]
             batch = collate_sequences(p, c, self.tokenizer.pad_token_id)
             ids, mask = _keep_last(batch["input_ids"], batch["attention_mask"], self.max_length, self.tokenizer.pad_token_id)
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                                enabled=self.autocast_dtype is not None):
+            with torch.autocast(
+                self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
+            ):
                 logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False).logits
             out.append(logits[:, 0].float().cpu())
         return torch.cat(out) if out else torch.zeros(0)
@@ -108,7 +118,7 @@ def _keep_last(ids: torch.Tensor, mask: torch.Tensor, max_length: int, pad_id: i
     out_mask = torch.zeros((ids.shape[0], max_length), dtype=mask.dtype)
     for i, n in enumerate(lengths.tolist()):
         keep = min(n, max_length)
-        out_ids[i, :keep] = ids[i, n - keep:n]
+        out_ids[i, :keep] = ids[i, n - keep : n]
         out_mask[i, :keep] = 1
     return out_ids, out_mask
 
@@ -138,23 +148,37 @@ class RewardSource:
     ``name -> fn`` / ``name -> (fn, weight)``.
     """
 
-    def __init__(self, rules: Mapping[str, float] | None = None, reward_model: RewardModel | None = None,
-                 reward_model_weight: float = 1.0, functions: UserRewards = None):
+    def __init__(
+        self,
+        rules: Mapping[str, float] | None = None,
+        reward_model: RewardModel | None = None,
+        reward_model_weight: float = 1.0,
+        functions: UserRewards = None,
+    ):
         self.rules = dict(rules or {})
         for name in self.rules:
             get_rule_reward(name)  # unknown names fail here, before any model is loaded
         self.reward_model = reward_model
         self.reward_model_weight = float(reward_model_weight)
         self.functions = _normalise_functions(functions)
-        for name, w in [*self.rules.items(), *((n, w) for n, (_, w) in self.functions.items()), ("reward_model", self.reward_model_weight)]:
+        for name, w in [
+            *self.rules.items(),
+            *((n, w) for n, (_, w) in self.functions.items()),
+            ("reward_model", self.reward_model_weight),
+        ]:
             if not math.isfinite(w):
                 raise ConfigError(f"weight of reward {name!r} is not finite: {w}")
         if not self.rules and reward_model is None and not self.functions:
             raise ConfigError("no reward: give reward_rules, a reward model, or reward functions")
 
     @classmethod
-    def build(cls, config: RewardSourceConfig, reward_model: RewardModel | str | os.PathLike | None = None,
-              functions: UserRewards = None, default_rules: Mapping[str, float] | None = None) -> "RewardSource":
+    def build(
+        cls,
+        config: RewardSourceConfig,
+        reward_model: RewardModel | str | os.PathLike | None = None,
+        functions: UserRewards = None,
+        default_rules: Mapping[str, float] | None = None,
+    ) -> RewardSource:
         """From a config plus live objects; ``default_rules`` apply only when nothing else is given."""
         rm = reward_model if reward_model is not None else config.reward_model_path
         if isinstance(rm, (str, os.PathLike)):
@@ -164,9 +188,14 @@ class RewardSource:
             rules = dict(default_rules or {})
         return cls(rules, rm, config.reward_model_weight, functions)
 
-    def score(self, prompts: Sequence[Prompt], completions: Sequence[str], ground_truths: Sequence[str | None],
-              prompt_ids: Sequence[Sequence[int]] | None = None,
-              completion_ids: Sequence[Sequence[int]] | None = None) -> RewardScores:
+    def score(
+        self,
+        prompts: Sequence[Prompt],
+        completions: Sequence[str],
+        ground_truths: Sequence[str | None],
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        completion_ids: Sequence[Sequence[int]] | None = None,
+    ) -> RewardScores:
         """Weighted total and per-source scores. The reward model reads ``prompt_ids``/``completion_ids``
         when given (they must be ids of its tokenizer), else the texts."""
         n = len(completions)

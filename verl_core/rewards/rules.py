@@ -8,12 +8,14 @@ reward and the sample when one misbehaves.
 Answers follow the GSM8K convention (Cobbe et al. 2021, arXiv:2110.14168): the final answer
 is written after ``####`` at the end of the solution, e.g. ``"... = 18\\n#### 18"``.
 """
+
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 RewardFn = Callable[[Sequence[str], Sequence[Optional[str]]], list[float]]
 
@@ -55,9 +57,7 @@ def get_rule_reward(name: str) -> RewardFn:
     try:
         return RULE_REWARDS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown rule reward {name!r}; registered: {sorted(RULE_REWARDS)}"
-        ) from None
+        raise ValueError(f"unknown rule reward {name!r}; registered: {sorted(RULE_REWARDS)}") from None
 
 
 # --- answer extraction ---------------------------------------------------------------------
@@ -183,9 +183,7 @@ def gsm8k(completions: Sequence[str], ground_truths: Sequence[str | None]) -> li
 
 
 @register_rule_reward("format")
-def format_reward(
-    completions: Sequence[str], ground_truths: Sequence[str | None]
-) -> list[float]:
+def format_reward(completions: Sequence[str], ground_truths: Sequence[str | None]) -> list[float]:
     """1.0 when the completion ends with ``#### <number>`` (any number), else 0.0.
 
     Uses the same extraction as the "gsm8k" reward, so ``gsm8k = format and correct``.
@@ -220,9 +218,7 @@ def length_penalty(max_len: int, coef: float) -> RewardFn:
 # --- combination with checks ---------------------------------------------------------------
 
 
-def _locate_failure(
-    fn: RewardFn, completions: Sequence[str], truths: Sequence[str | None]
-) -> tuple[int, Exception] | None:
+def _locate_failure(fn: RewardFn, completions: Sequence[str], truths: Sequence[str | None]) -> tuple[int, Exception] | None:
     """Re-run ``fn`` one sample at a time; the first index and error that reproduce, or None."""
     for i, (completion, truth) in enumerate(zip(completions, truths)):
         try:
@@ -232,9 +228,7 @@ def _locate_failure(
     return None
 
 
-def _checked_scores(
-    name: str, fn: RewardFn, completions: Sequence[str], truths: Sequence[str | None]
-) -> list[float]:
+def _checked_scores(name: str, fn: RewardFn, completions: Sequence[str], truths: Sequence[str | None]) -> list[float]:
     n = len(completions)
     try:
         raw = fn(completions, truths)
@@ -279,9 +273,7 @@ def score_with_rules(
     to find the index).
     """
     if len(completions) != len(ground_truths):
-        raise ValueError(
-            f"{len(completions)} completions but {len(ground_truths)} ground truths"
-        )
+        raise ValueError(f"{len(completions)} completions but {len(ground_truths)} ground truths")
     total = [0.0] * len(completions)
     for name, weight in names_and_weights.items():
         if not math.isfinite(weight):

@@ -132,12 +132,11 @@ def reward_model_reranking(base: Path, reward_model: Path, rows: list[dict], n: 
 
 
 def run(algorithm: str, base: Path, eval_rows: list[dict], reward_model: Path | None, extra: dict) -> tuple[float, dict]:
+    from verl_core import arithmetic
     from verl_core.algorithms.grpo import GRPOTrainer
     from verl_core.algorithms.ppo import PPOTrainer
     from verl_core.policies import LLMPolicy
     from verl_core.rewards import RewardModel
-
-    from verl_core import arithmetic
 
     settings = {**COMMON, **PRESETS[algorithm], **extra}
     prompts = arithmetic.prompt_rows(2048)

@@ -141,7 +141,7 @@ def _cpu_name() -> str:
 
 def _load() -> str:
     try:
-        return "{:.1f}".format(os.getloadavg()[0])
+        return f"{os.getloadavg()[0]:.1f}"
     except OSError:
         return "?"
 

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(2)
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("VERL_CORE_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 
 
 @pytest.fixture(scope="session")

@@ -37,12 +37,12 @@ def greedy_completions(
 
 
 def answer_rewards(
-    model, tokenizer, rows: Any, reward: str = "exact_match", max_new_tokens: int = 32
+    model, tokenizer, rows: Any, reward: str = "exact_match", max_new_tokens: int = 32, max_prompt_length: int = 256
 ) -> tuple[list[str], list[float]]:
     """Greedy answers to prompt rows carrying ``ground_truth``, and each answer's rule reward."""
     from verl_core.rewards.rules import get_rule_reward
 
-    examples = tokenize_prompts(rows, tokenizer)
+    examples = tokenize_prompts(rows, tokenizer, max_prompt_length)
     texts = greedy_completions(model, tokenizer, [e["prompt_ids"] for e in examples], max_new_tokens)
     return texts, list(get_rule_reward(reward)(texts, [e["ground_truth"] for e in examples]))
 

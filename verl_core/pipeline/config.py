@@ -24,7 +24,7 @@ import copy
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, create_model
+from pydantic import Field, create_model, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -108,14 +108,30 @@ def with_defaults(base: type[StrictConfig], name: str, defaults: dict[str, Any],
     return model
 
 
+# The fields stages read; ``columns`` maps each to the user's column name (verl_core.data.columns).
+RowField = Literal["prompt", "completion", "text", "messages", "chosen", "rejected", "ground_truth", "label"]
+
+
 class DataSource(StrictConfig):
     """Rows for a stage: a local file (JSONL/JSON/Parquet/CSV), a ``save_to_disk`` folder
     or a hub id; ``path: null`` means the bundled arithmetic task's split for that stage.
-    A local file's content fingerprint is part of the stage's cache key."""
+    A local file's content fingerprint is part of the stage's cache key.
+
+    ``columns`` names the user's column for each field the stage reads (GSM8K:
+    ``{prompt: question, completion: answer}``); ``prompt_template`` then builds the prompt
+    from the row's columns (``"Question: {question}\nAnswer:"``)."""
 
     path: str | None = None
     split: str = "train"
     limit: int | None = Field(None, ge=1, description="use only the first N rows")
+    columns: dict[RowField, str] = Field(default_factory=dict, description="field the stage reads -> your column")
+    prompt_template: str | None = Field(None, description="str.format template over the row's columns, gives 'prompt'")
+
+    @model_validator(mode="after")
+    def _mapping_needs_a_path(self):
+        if (self.columns or self.prompt_template) and self.path is None:
+            raise ValueError("columns / prompt_template apply to your data: set path too")
+        return self
 
 
 class _SFTStage(SFTConfig):
@@ -144,6 +160,7 @@ class PreferenceDataStageConfig(StrictConfig):
     """
 
     path: str | None = Field(None, description="pairs to use instead of generating them (file or folder)")
+    columns: dict[RowField, str] = Field(default_factory=dict, description="the given pairs: field -> your column")
     method: PreferenceMethod = "bundled"
     num_prompts: int = Field(512, ge=1)
     seed: int = 0
@@ -199,12 +216,18 @@ PolicyOptimisationStageConfig = _policy_section()
 
 
 class EvaluationStageConfig(StrictConfig):
-    """Held-out exact-match accuracy (and reward-model score) of base, SFT and final policies."""
+    """Held-out accuracy under a rule reward (and reward-model score) of base, SFT and final policies.
 
-    data: DataSource = Field(default_factory=DataSource, description="rows with 'prompt' and 'ground_truth'")
+    Rows without ``prompt`` but with ``chosen``/``rejected`` (Anthropic HH) are prompted with
+    their shared dialogue prefix; with ``reward: null`` only the reward model scores them."""
+
+    data: DataSource = Field(
+        default_factory=DataSource, description="rows with 'prompt' and 'ground_truth' (or implicit-prompt pairs)"
+    )
     num_rows: int = Field(200, ge=1)
-    reward: str = "exact_match"
+    reward: str | None = Field("exact_match", description="rule reward for accuracy; null: reward-model score only")
     max_new_tokens: int = Field(32, ge=1)
+    max_prompt_length: int = Field(256, ge=1, description="a longer prompt is an error naming its row")
     include_base: bool = True
 
 

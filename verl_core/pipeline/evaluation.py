@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from verl_core import arithmetic
-from verl_core.pipeline.data import data_label, load_data
+from verl_core.pipeline.data import data_label, load_data, prompt_rows
 from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOutput, Step
 from verl_core.pipeline.report import plot_report, write_csv
 
@@ -17,38 +17,66 @@ def _bundled(cfg) -> list[dict] | None:
     return arithmetic.eval_rows(c.data.limit or c.num_rows)[: c.num_rows] if c.data.path is None else None
 
 
-def score_policy(path: str, rows: list[dict], reward: str, max_new_tokens: int, reward_model: str | None) -> dict[str, float]:
-    """Greedy answers of the policy at ``path``: mean rule reward, and mean reward-model score."""
-    from verl_core.evaluation import answer_rewards
+def score_policy(
+    path: str, rows: list[dict], reward: str | None, max_new_tokens: int, reward_model: str | None, max_prompt_length: int = 256
+) -> tuple[dict[str, float], list[str]]:
+    """Greedy answers of the policy at ``path``: mean rule reward (``accuracy``), mean reward-model
+    score (``reward_score``), and the answers."""
+    from verl_core.data import tokenize_prompts
+    from verl_core.evaluation import answer_rewards, greedy_completions
     from verl_core.models import load_causal_lm, load_tokenizer
     from verl_core.rewards.model import RewardModel
 
-    texts, scores = answer_rewards(load_causal_lm(path, trainable=False), load_tokenizer(path), rows, reward, max_new_tokens)
-    out = {"accuracy": sum(scores) / len(scores)}
+    model, tok = load_causal_lm(path, trainable=False), load_tokenizer(path)
+    out: dict[str, float] = {}
+    if reward is not None:
+        texts, scores = answer_rewards(model, tok, rows, reward, max_new_tokens, max_prompt_length)
+        out["accuracy"] = sum(scores) / len(scores)
+    else:
+        examples = tokenize_prompts(rows, tok, max_prompt_length)
+        texts = greedy_completions(model, tok, [e["prompt_ids"] for e in examples], max_new_tokens)
     if reward_model is not None:
         out["reward_score"] = RewardModel.from_pretrained(reward_model).score([r["prompt"] for r in rows], texts).mean().item()
-    return out
+    return out, texts
+
+
+def answer_samples(rows: list[dict], texts: list[str], reward: str | None, n: int = 20) -> list[dict]:
+    """The first ``n`` answers of a policy beside the answer its reward's extractor reads in them."""
+    from verl_core.rewards.gsm8k import ANSWER_EXTRACTORS, gsm8k_ground_truth
+
+    extract = ANSWER_EXTRACTORS.get(reward or "")
+    samples = []
+    for row, text in list(zip(rows, texts))[:n]:
+        sample = {"prompt": str(row["prompt"])[-200:], "completion": text[:300]}
+        if extract is not None:
+            sample["extracted"] = extract(text) or ""
+            sample["expected"] = gsm8k_ground_truth(str(row.get("ground_truth", "")))
+        samples.append(sample)
+    return samples
 
 
 def evaluation_stage(ctx: StageContext) -> StageOutput:
     c = ctx.section
-    rows = (_bundled(ctx.config) or load_data(c.data, None))[: c.num_rows]
+    rows = prompt_rows((_bundled(ctx.config) or load_data(c.data, None, "evaluation.data"))[: c.num_rows])
     final = ctx.inputs.get("policy_optimisation") or ctx.inputs["sft"]
     policies = ([("base", ctx.inputs["base"])] if c.include_base else []) + [("sft", ctx.inputs["sft"]), ("final", final)]
     rm = ctx.inputs.get("reward_model")
-    scored: dict[str, dict[str, float]] = {}
+    scored: dict[str, tuple[dict[str, float], list[str]]] = {}
     table = []
     for label, rec in policies:
         if rec.fingerprint not in scored:
             scored[rec.fingerprint] = score_policy(
-                rec.output_path, rows, c.reward, c.max_new_tokens, rm.output_path if rm else None
+                rec.output_path, rows, c.reward, c.max_new_tokens, rm.output_path if rm else None, c.max_prompt_length
             )
-        table.append({"policy": label, "stage": rec.stage, **scored[rec.fingerprint]})
+        table.append({"policy": label, "stage": rec.stage, **scored[rec.fingerprint][0]})
     metrics = {f"{k}/{row['policy']}": row[k] for row in table for k in ("accuracy", "reward_score") if k in row}
-    metrics["accuracy_gain"] = metrics["accuracy/final"] - metrics["accuracy/sft"]
+    if "accuracy/final" in metrics:
+        metrics["accuracy_gain"] = metrics["accuracy/final"] - metrics["accuracy/sft"]
+    samples = answer_samples(rows, scored[final.fingerprint][1], c.reward)
     report = ctx.output_dir / "report"
     report.mkdir(exist_ok=True)
     (report / "results.json").write_text(json.dumps({"table": table, "metrics": metrics}, indent=2))
+    (report / "final_answers.json").write_text(json.dumps(samples, indent=2))
     write_csv(report / "evaluation.csv", table)
     curves = {
         r.stage: json.loads(Path(r.extra["history"]).read_text())
@@ -59,8 +87,8 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
     return StageOutput(
         output_path=report,
         metrics=metrics,
-        tables={"evaluation": table},
-        artifacts=[plot, report / "evaluation.csv", report / "results.json"],
+        tables={"evaluation": table, "final_answers": samples},
+        artifacts=[plot, report / "evaluation.csv", report / "results.json", report / "final_answers.json"],
         model_to_log=final.output_path,
         datasets=[DatasetUse("eval", rows, "evaluation", data_label(c.data, "eval"))],
         extra={"final_stage": final.stage, "final_path": final.output_path},
@@ -72,7 +100,7 @@ STEP = Step(
     stages=[
         Stage(
             "evaluation",
-            version="eval-1",
+            version="eval-2",
             fn=evaluation_stage,
             inputs=("base", "sft"),
             optional=("policy_optimisation", "reward_model"),

@@ -17,12 +17,16 @@ PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
 
 def _prompts(cfg) -> list[dict]:
-    return load_data(cfg.policy_optimisation.prompts, lambda limit: arithmetic.prompt_rows(limit or 256))
+    return load_data(
+        cfg.policy_optimisation.prompts, lambda limit: arithmetic.prompt_rows(limit or 256), "policy_optimisation.prompts"
+    )
 
 
 def _offline(ctx: StageContext, algorithm: Algorithm) -> StageOutput:
     # generated pairs carry scores and indices; the trainers read prompt/chosen/rejected only
-    rows = [{k: r[k] for k in PAIR_FIELDS} for r in preference_rows_of(ctx.inputs["preference_data"])]
+    # (no prompt: an implicit-prompt pair, split by the trainer's tokenizer)
+    pairs = preference_rows_of(ctx.inputs["preference_data"], ctx.config.preference_data.columns)
+    rows = [{k: r[k] for k in PAIR_FIELDS if r.get(k) is not None} for r in pairs]
     source = ctx.inputs["preference_data"].output_path
     return train_offline(
         ctx,

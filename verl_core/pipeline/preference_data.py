@@ -31,7 +31,9 @@ def bundled_stage(ctx: StageContext) -> StageOutput:
 
 def _prompts(cfg) -> list[dict]:
     c = cfg.preference_data
-    return load_data(c.prompts, lambda limit: arithmetic.prompt_rows(limit or c.num_prompts))[: c.num_prompts]
+    return load_data(c.prompts, lambda limit: arithmetic.prompt_rows(limit or c.num_prompts), "preference_data.prompts")[
+        : c.num_prompts
+    ]
 
 
 def sample_and_score_stage(ctx: StageContext) -> StageOutput:

@@ -8,6 +8,8 @@ step (a new algorithm) = one entry in that step's registry (for algorithms:
 
 from __future__ import annotations
 
+import hashlib
+
 from verl_core.config import ConfigError
 from verl_core.fingerprint import fingerprint_path
 from verl_core.pipeline import evaluation, policy_optimisation, preference_data, reward_model, sft
@@ -63,4 +65,8 @@ def given_record(config: PipelineConfig, name: str) -> StageRecord | None:
     path = getattr(getattr(config, name), field) if field else None
     if path is None:
         return None
-    return StageRecord(stage=name, output_path=str(path), fingerprint=fingerprint_path(path), given=True)
+    fingerprint = fingerprint_path(path)
+    columns = getattr(getattr(config, name), "columns", None)
+    if columns:  # the same file read through another mapping is other data
+        fingerprint = hashlib.sha256(f"{fingerprint}:{sorted(columns.items())}".encode()).hexdigest()
+    return StageRecord(stage=name, output_path=str(path), fingerprint=fingerprint, given=True)

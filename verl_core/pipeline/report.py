@@ -22,8 +22,9 @@ def plot_report(table: list[dict], curves: dict[str, dict[str, list]], path: Pat
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    axes[0].bar([r["policy"] for r in table], [r["accuracy"] for r in table], color="tab:blue")
-    axes[0].set(title="held-out accuracy", ylabel="exact match", ylim=(0, 1))
+    score = "accuracy" if all("accuracy" in r for r in table) else "reward_score"
+    axes[0].bar([r["policy"] for r in table], [r.get(score, 0.0) for r in table], color="tab:blue")
+    axes[0].set(title=f"held-out {score}", ylabel=score, **({"ylim": (0, 1)} if score == "accuracy" else {}))
     for stage, hist in curves.items():
         if hist.get("loss"):
             steps, values = zip(*hist["loss"])

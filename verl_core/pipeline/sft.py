@@ -16,7 +16,7 @@ def sft_stage(ctx: StageContext) -> StageOutput:
     from verl_core.algorithms.sft import SFTTrainer
 
     c = ctx.section
-    rows = _bundled(ctx.config) or load_data(c.data, None)
+    rows = _bundled(ctx.config) or load_data(c.data, None, where="sft.data")
     return train_offline(
         ctx,
         SFTTrainer,

@@ -4,6 +4,7 @@
 :class:`RewardError` naming the source and the sample.
 """
 
+from verl_core.rewards.gsm8k import ANSWER_EXTRACTORS, gsm8k_answer, gsm8k_ground_truth
 from verl_core.rewards.model import RewardModel, RewardScores, RewardSource, RewardSourceConfig
 from verl_core.rewards.rules import (
     RULE_REWARDS,
@@ -15,6 +16,7 @@ from verl_core.rewards.rules import (
 )
 
 __all__ = [
+    "ANSWER_EXTRACTORS",
     "RULE_REWARDS",
     "RewardError",
     "RewardFn",
@@ -23,6 +25,8 @@ __all__ = [
     "RewardSource",
     "RewardSourceConfig",
     "get_rule_reward",
+    "gsm8k_answer",
+    "gsm8k_ground_truth",
     "register_rule_reward",
     "score_with_rules",
 ]

@@ -169,24 +169,11 @@ def numeric_match(completions: Sequence[str], ground_truths: Sequence[str | None
     return scores
 
 
-@register_rule_reward("gsm8k")
-def gsm8k(completions: Sequence[str], ground_truths: Sequence[str | None]) -> list[float]:
-    """1.0 when the completion ends with ``#### <number>`` equal to the ground truth, else 0.0.
-
-    Strict: the GSM8K answer (:func:`extract_gsm8k_answer`) must be a number; no fallback to
-    other numbers in the text.
-    """
-    return [
-        1.0 if _numbers_equal(extract_gsm8k_answer(completion), _require_truth(truth)) else 0.0
-        for completion, truth in zip(completions, ground_truths)
-    ]
-
-
 @register_rule_reward("format")
 def format_reward(completions: Sequence[str], ground_truths: Sequence[str | None]) -> list[float]:
     """1.0 when the completion ends with ``#### <number>`` (any number), else 0.0.
 
-    Uses the same extraction as the "gsm8k" reward, so ``gsm8k = format and correct``.
+    The strict ``gsm8k`` reward (:mod:`verl_core.rewards.gsm8k`) is ``format`` and correct.
     The ground truths are ignored (may be None).
     """
     scores = []

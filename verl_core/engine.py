@@ -27,6 +27,7 @@ import torch
 from verl_core.callbacks import Callback, HistoryCallback
 from verl_core.checkpoints import CHECKPOINT_PREFIX, CHECKPOINTS_DIR, ENGINE_STATE, checkpoint_step, latest_checkpoint  # noqa: F401
 from verl_core.precision import allow_precision_change
+from verl_core.progress import progress_bar
 from verl_core.train_config import TrainConfig
 
 log = logging.getLogger("verl_core")
@@ -221,19 +222,17 @@ class Engine:
     ) -> TrainResult:
         """Call ``step_fn(step)`` (one loop step's optimizer steps; returns its metrics) for each loop
         step from the resumed one to ``total_steps - 1``. The loop owns resume, the progress bar, metric
-        means over ``logging_steps``, ``eval_fn()`` every ``eval_steps`` and at the end, checkpoints
-        every ``save_steps`` (all counted in loop steps) and the callbacks."""
-        from tqdm.auto import tqdm
-
+        means over ``logging_steps`` (at most ``total_steps // 20``), ``eval_fn()`` every ``eval_steps``
+        and at the end, checkpoints every ``save_steps`` (all counted in loop steps) and the callbacks."""
         cfg = self.config
         history = HistoryCallback()
         callbacks = self.callbacks + [history]
         self.resumed_from_step = self.maybe_resume()
         for cb in callbacks:
             cb.on_train_begin({**cfg.model_dump(), **(params or {})})
-        bar = tqdm(
-            total=self.total_steps, initial=self.step, disable=not (cfg.progress and self.is_main), desc=desc, dynamic_ncols=True
-        )
+        bar = progress_bar(self.total_steps, self.step, desc, disable=not (cfg.progress and self.is_main))
+        # at least ~20 points per curve on a short run: log every min(logging_steps, total/20) steps
+        every = max(1, min(cfg.logging_steps, self.total_steps // 20))
         last: dict[str, float] = {}
         window: list[dict[str, float]] = []
         status = "FAILED"
@@ -247,7 +246,7 @@ class Engine:
                 if progress_key in metrics:
                     bar.set_postfix({progress_key: f"{metrics[progress_key]:.4g}"})
                 logged: dict[str, float] = {}
-                if step % cfg.logging_steps == 0 or final:
+                if step % every == 0 or final:
                     logged = _mean(window)
                     last = dict(logged)
                     window = []

@@ -10,6 +10,7 @@ import torch
 from pydantic import Field
 
 from verl_core.config import StrictConfig
+from verl_core.progress import quiet_library_bars
 
 DType = Literal["float32", "bfloat16", "float16"]
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +57,7 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
 
 def _from_pretrained(auto_cls, path, dtype: DType, trust_remote_code: bool, **kwargs):
     source = _check_source(path)
+    quiet_library_bars()  # off a terminal "Loading weights" would write a frame per tensor into the log
     try:
         return auto_cls.from_pretrained(source, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as err:

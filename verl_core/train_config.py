@@ -37,7 +37,9 @@ class TrainConfig(StrictConfig):
     save_steps: int | None = Field(None, ge=1)
     save_total_limit: int = Field(2, ge=1)
     resume: bool = True
-    logging_steps: int = Field(10, ge=1)
+    logging_steps: int = Field(
+        10, ge=1, description="log metric means every N steps; at most max_steps/20, so a short run still draws a curve"
+    )
     eval_steps: int | None = Field(None, ge=1)
     progress: bool = True
 

@@ -106,7 +106,7 @@ def generate_preference_data(
     :class:`ShardMismatchError`, unless ``overwrite`` deletes them. ``on_shard_end(index, path)``
     runs after each shard is written (progress reporting, tests).
     """
-    from tqdm.auto import tqdm
+    from verl_core.progress import progress_bar
 
     if not isinstance(config, PreferenceDataConfig):
         config = PreferenceDataConfig.from_dict(dict(config or {}), source="generate_preference_data")
@@ -145,14 +145,7 @@ def generate_preference_data(
     todo = [i for i in range(n_shards) if _read_shard(shard_dir, i, _shard_range(i, config, len(examples)), params.n) is None]
     done_prompts = len(examples) - sum(len(range(*_shard_range(i, config, len(examples)))) for i in todo)
     backend = policy.rollout_backend()
-    with tqdm(
-        total=len(examples),
-        initial=done_prompts,
-        disable=not config.progress,
-        desc="preference data",
-        unit="prompt",
-        dynamic_ncols=True,
-    ) as bar:
+    with progress_bar(len(examples), done_prompts, "preference data", "prompt", disable=not config.progress) as bar:
         for shard in todo:
             start, stop = _shard_range(shard, config, len(examples))
             records: list[dict] = []

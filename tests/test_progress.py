@@ -1,0 +1,53 @@
+"""Progress off a terminal: periodic single lines, never carriage-return frames."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+from verl_core.progress import LineProgress, progress_bar
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_line_progress_prints_one_line_per_interval_and_a_last_line():
+    out = io.StringIO()
+    bar = LineProgress(total=100, desc="train", interval=0.0, file=out)
+    bar.set_postfix({"loss": "0.5"})
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and "\r" not in out.getvalue()  # close() adds nothing after the last update's line
+    assert lines[-1].startswith("train: 3/100 steps (3%)") and lines[-1].endswith("loss=0.5")
+    quiet = io.StringIO()
+    bar = LineProgress(total=100, desc="train", interval=3600, file=quiet)
+    for _ in range(100):
+        bar.update(1)
+    bar.close()
+    assert quiet.getvalue().count("\n") == 1 and quiet.getvalue().startswith("train: 100/100 steps (100%)")
+
+
+def test_training_with_redirected_output_writes_lines_not_bar_frames(tmp_path):
+    """A short SFT run whose stdout and stderr go to a file (like ``make run > log 2>&1``)."""
+    script = (
+        "from verl_core import SFTTrainer, arithmetic, tiny_model_path\n"
+        "SFTTrainer(tiny_model_path(), train_dataset=arithmetic.sft_rows(64), max_steps=5, batch_size=8,"
+        f" mixed_precision='no', output_dir={str(tmp_path / 'sft')!r}).train()\n"
+    )
+    log = tmp_path / "log"
+    with open(log, "w") as fh:
+        subprocess.run([sys.executable, "-c", script], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, check=True, timeout=300)
+    text = log.read_text()
+    assert "\r" not in text, text[-2000:]
+    assert "train: 5/5 steps (100%)" in text
+
+
+def test_a_terminal_gets_a_tqdm_bar(monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    bar = progress_bar(10, desc="x", disable=True)
+    assert type(bar).__module__.startswith("tqdm")
+    bar.close()

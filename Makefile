@@ -20,6 +20,7 @@ run: $(STAMP)
 	$(PY) -m flows.cli run $(ARGS)
 
 test: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,test]'  # the test extra: lightning, for the Lightning example's test
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(ARGS)  # no path given: pyproject testpaths (tests/)
 
 # `make bench`: the realistic-shape table (bench/realistic.py, options in REALISTIC_ARGS), then the

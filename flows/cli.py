@@ -2,7 +2,7 @@
 
     verl-core run   [--config configs/default.yaml] [--set sft.max_steps=150 ...]
     verl-core stage sft|preference_data|reward_model|policy_optimisation|evaluation [--config ...] [--set ...]
-    verl-core servers [--prefect-port 4200] [--mlflow-port 5000] [--workdir runs]
+    verl-core servers [--prefect-port 4200] [--mlflow-port 5000] [--workdir runs]   # serves runs/mlflow.db
     verl-core config [--config ...] [--set ...]        # print the resolved config
 
 The command names, stage choices and algorithm list come from the registries
@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,13 +64,25 @@ def ui_locations(config: PipelineConfig) -> list[str]:
         if api
         else "Prefect UI:  (this run used a temporary local API) start persistent UIs with `verl-core servers`"
     )
-    uri = tracking.tracking_uri(config)
-    mlflow = (
-        f"MLflow UI:   {uri}"
-        if uri.startswith("http")
-        else f"MLflow UI:   mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000  (then {tracking.ui_url(config)})"
-    )
+    uri, ui = tracking.tracking_uri(config), tracking.ui_url(config)
+    if uri.startswith("http") or _answers(f"{ui}/health"):
+        mlflow = f"MLflow UI:   {ui}"
+    else:  # the same store and artifact folder `verl-core servers` serves, on the port the published links use
+        port = urllib.parse.urlparse(ui).port or 5000
+        artifacts = tracking.artifact_location(config) or ""
+        mlflow = (
+            f"MLflow UI:   mlflow server --backend-store-uri {uri} --artifacts-destination {artifacts.removeprefix('file://')}"
+            f" --host 127.0.0.1 --port {port}  (or `verl-core servers`; then {ui})"
+        )
     return [prefect, mlflow, f"MLflow store: {uri}  experiment: {config.tracking.experiment}"]
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
 
 
 def _report(result, config: PipelineConfig) -> None:
@@ -154,7 +167,11 @@ def stop(proc: subprocess.Popen, grace: float = 10) -> None:
 
 
 def server_commands(workdir: Path, prefect_port: int, mlflow_port: int) -> dict[str, tuple[list[str], dict[str, str], str]]:
-    """Command, environment and health URL of the Prefect server and the MLflow server, both on 127.0.0.1."""
+    """Command, environment and health URL of the Prefect server and the MLflow server, both on 127.0.0.1.
+
+    The MLflow server serves the store that runs without it write (``<workdir>/mlflow.db``, artifacts
+    in ``<workdir>/mlartifacts``: :func:`verl_core.pipeline.tracking.tracking_uri`), so runs logged
+    before, during and after the servers are one history, and the links already published resolve."""
     bin_dir = Path(sys.executable).parent
     prefect_env = {
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -176,9 +193,9 @@ def server_commands(workdir: Path, prefect_port: int, mlflow_port: int) -> dict[
                 "--port",
                 str(mlflow_port),
                 "--backend-store-uri",
-                f"sqlite:///{workdir / 'mlflow-server.db'}",
+                f"sqlite:///{workdir / 'mlflow.db'}",
                 "--artifacts-destination",
-                str(workdir / "mlflow-server-artifacts"),
+                str(workdir / "mlartifacts"),
             ],
             {},
             f"http://127.0.0.1:{mlflow_port}/health",
@@ -197,7 +214,8 @@ def cmd_servers(args) -> int:
     procs = {}
     try:
         for name, (cmd, env, _health) in server_commands(workdir, args.prefect_port, args.mlflow_port).items():
-            procs[name] = launch(cmd, env, workdir / f"{name}-server.log")
+            (workdir / "servers").mkdir(exist_ok=True)
+            procs[name] = launch(cmd, env, workdir / "servers" / f"{name}-server.log")
         for name, (_, _, health) in server_commands(workdir, args.prefect_port, args.mlflow_port).items():
             wait_http(health, timeout=180, proc=procs[name])
         print(f"Prefect UI:  http://127.0.0.1:{args.prefect_port}")
@@ -206,7 +224,8 @@ def cmd_servers(args) -> int:
         print(f"  export PREFECT_API_URL=http://127.0.0.1:{args.prefect_port}/api")
         print(f"  export MLFLOW_TRACKING_URI=http://127.0.0.1:{args.mlflow_port}")
         print("  verl-core run")
-        print(f"logs: {workdir}/*-server.log   (Ctrl-C stops both)", flush=True)
+        print(f"MLflow store: sqlite:///{workdir / 'mlflow.db'} (what `verl-core run` writes without a server)")
+        print(f"logs: {workdir}/servers/*-server.log   (Ctrl-C stops both)", flush=True)
         while all(p.poll() is None for p in procs.values()):
             time.sleep(1)
         return 1
@@ -239,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("servers", help="start local Prefect and MLflow servers on 127.0.0.1")
     p.add_argument("--prefect-port", type=int, default=4200)
     p.add_argument("--mlflow-port", type=int, default=5000)
-    p.add_argument("--workdir", default="runs/servers")
+    p.add_argument("--workdir", default="runs", help="the pipeline's workdir, whose MLflow store the server serves")
     p.set_defaults(fn=cmd_servers)
     return parser
 

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Literal
 
 from prefect import flow
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
 from tasks import task_for
+from tasks.stage_task import markdown_table, mlflow_link, publish_cached
 from verl_core.pipeline import tracking
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.records import StageRecord
@@ -52,6 +53,7 @@ class PipelineRun:
     def __init__(self, config: PipelineConfig, flow_name: str):
         self.config, self.flow_name = config, flow_name
         self.result = PipelineResult()
+        self.stage_runs: dict[str, str] = {}  # this run's MLflow child per stage (cached ones too)
 
     def __enter__(self) -> PipelineRun:
         from prefect.runtime import flow_run
@@ -62,12 +64,8 @@ class PipelineRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        status = "FAILED" if exc_type else "FINISHED"
-        tags = {f"stage.{k}.state": v for k, v in self.result.states.items()}
-        tags.update(
-            {f"stage.{k}.mlflow_run_id": r.mlflow_run_id for k, r in self.result.records.items() if r and r.mlflow_run_id}
-        )
-        tracking.end_run(self.config, self.result.mlflow_run_id, status, tags)
+        r = self.result
+        tracking.finish_pipeline_run(self.config, r.mlflow_run_id, r.records, r.states, self.stage_runs, error=exc)
         if not exc_type:
             self._publish_summary()
         return False
@@ -95,6 +93,10 @@ class PipelineRun:
                 name, self.config, inputs, parent_run_id=self.result.mlflow_run_id, return_state=True
             )
             record = state.result()
+        if state.name == "Cached":  # no task body ran: give this pipeline run its child run and artifacts
+            self.stage_runs[name] = publish_cached(self.config, record, self.result.mlflow_run_id, self.result.flow_run_id)
+        elif record.mlflow_run_id:
+            self.stage_runs[name] = record.mlflow_run_id
         return record, state.name
 
     def _publish_summary(self) -> None:
@@ -102,13 +104,18 @@ class PipelineRun:
             {
                 "stage": k,
                 "state": self.result.states[k],
+                "MLflow run": mlflow_link(self.config, self.stage_runs.get(k)),
                 "fingerprint": (r.fingerprint[:12] if r else ""),
                 "output": (r.output_path if r else ""),
-                "mlflow_run_id": (r.mlflow_run_id or "" if r else ""),
             }
             for k, r in self.result.records.items()
         ]
-        create_table_artifact(rows, key=f"{self.flow_name}-stages", description="stage states of this run")
+        parent = mlflow_link(self.config, self.result.mlflow_run_id)
+        create_markdown_artifact(
+            f"Pipeline run in MLflow: {parent}\n\n" + markdown_table(rows),
+            key=f"{self.flow_name}-stages",
+            description="stage states of this run",
+        )
 
 
 def run_pipeline(config: PipelineConfig, flow_name: str, until: str | None = None) -> PipelineResult:

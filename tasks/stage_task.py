@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import Task, task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import CacheKeyFnPolicy
 
 from verl_core.callbacks import Callback, MLflowCallback
-from verl_core.pipeline import tracking
+from verl_core.pipeline import model_registry, tracking
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.keys import stage_key
 from verl_core.pipeline.records import StageRecord, StageResult
@@ -64,7 +64,7 @@ def stage_callbacks(config: PipelineConfig, stage: str, run_id: str) -> list[Cal
 
 
 def execute(stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: str | None) -> StageRecord:
-    """Run one step inside a nested MLflow run; FAILED on any exception, then re-raise."""
+    """Run one step inside a nested MLflow run; FAILED with the error on any exception, then re-raise."""
     from prefect.runtime import flow_run, task_run
 
     tracking.configure(config)
@@ -79,36 +79,85 @@ def execute(stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: s
         task_run_id=task_run.id,
         attempt=task_run.run_count,
     )
+    registered = None
     try:
         tracking.log_inputs(config, run_id, inputs)
         result = run_stage(config, stage, inputs, callbacks=stage_callbacks(config, stage, run_id), run_id=run_id)
         tracking.log_stage_result(config, run_id, result)
-    except BaseException:
-        tracking.end_run(config, run_id, "FAILED")
+        registered = _register(config, result, inputs, run_id, parent_run_id)
+    except BaseException as err:
+        tracking.end_run(config, run_id, "FAILED", error=err)
         raise
     tracking.end_run(config, run_id, "FINISHED")
-    publish(config, result, run_id)
+    publish(config, result.record, run_id, result.output.tables, reused=result.reused, registered=registered)
     return result.record
 
 
-def publish(config: PipelineConfig, result: StageResult, run_id: str) -> None:
-    """Prefect artifacts: a markdown summary, a link to the MLflow run, and any tables."""
-    rec, slug = result.record, result.record.stage.replace("_", "-")
+def _register(config: PipelineConfig, result: StageResult, inputs: Inputs, run_id: str, parent_run_id: str | None):
+    """The evaluated policy as a registered model version (the input whose folder the stage names)."""
+    target = result.output.model_to_log
+    final = next((r for r in inputs.values() if r is not None and target and r.output_path == str(target)), None)
+    return model_registry.register_policy(config, final, result.record.metrics, run_id, parent_run_id) if final else None
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Rows as a markdown table, floats to three decimals (Prefect renders markdown artifacts)."""
+    if not rows:
+        return "(no rows)"
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_fmt(r.get(k, "")).replace("|", "\\|").replace("\n", " ") for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def publish(
+    config: PipelineConfig,
+    rec: StageRecord,
+    run_id: str,
+    tables: dict[str, list[dict]] | None = None,
+    reused: bool = False,
+    registered: tuple[str, bool] | None = None,
+    cached_from: str | None = None,
+) -> None:
+    """Prefect artifacts: a markdown summary linking the stage's MLflow run, a link artifact, and tables."""
+    slug = rec.stage.replace("_", "-")
     url = tracking.run_url(config, run_id)
     lines = [
         f"### {rec.stage}" + (f" ({rec.variant})" if rec.variant else ""),
         "",
+        f"- MLflow run: [{run_id}]({url})",
         f"- output: `{rec.output_path}`",
         f"- fingerprint: `{rec.fingerprint[:16]}`",
-        f"- MLflow run: [{run_id}]({url})",
     ]
+    if cached_from:
+        origin = tracking.run_url(config, cached_from) if tracking._run_exists(config, cached_from) else None
+        lines.append("- served from the Prefect cache; computed by " + (f"[{cached_from}]({origin})" if origin else cached_from))
     if rec.extra.get("resumed_from_step"):
         lines.append(f"- resumed from checkpoint step {rec.extra['resumed_from_step']}")
-    if result.reused:
+    if reused:
         lines.append("- reused a complete output already on disk")
+    if registered:
+        name = config.tracking.registered_model_name
+        lines.append(f"- registered `{name}` version {registered[0]}" + (" (alias `champion`)" if registered[1] else ""))
     if rec.metrics:
-        lines += ["", "| metric | value |", "|---|---|"] + [f"| {k} | {v:.4g} |" for k, v in sorted(rec.metrics.items())]
+        lines += ["", markdown_table([{"metric": k, "value": v} for k, v in sorted(rec.metrics.items())])]
     create_markdown_artifact("\n".join(lines), key=f"{slug}-summary", description=f"{rec.stage} stage")
     create_link_artifact(url, link_text=f"MLflow run of {rec.stage}", key=f"{slug}-mlflow-run")
-    for name, rows in result.output.tables.items():
-        create_table_artifact(rows, key=f"{slug}-{name.replace('_', '-')}", description=f"{rec.stage}: {name}")
+    for name, rows in (tables or {}).items():
+        create_markdown_artifact(markdown_table(rows), key=f"{slug}-{name.replace('_', '-')}", description=f"{rec.stage}: {name}")
+
+
+def mlflow_link(config: PipelineConfig, run_id: str | None) -> str:
+    return f"[{run_id[:8]}]({tracking.run_url(config, run_id)})" if run_id else ""
+
+
+def publish_cached(config: PipelineConfig, record: StageRecord, parent_run_id: str | None, flow_run_id: str | None) -> str:
+    """A cache hit runs no task body: its MLflow child run (cached=true) and Prefect artifacts; returns the run id."""
+    tracking.configure(config)
+    run_id = tracking.log_cached_stage(config, parent_run_id, record, flow_run_id)
+    publish(config, record, run_id, cached_from=record.mlflow_run_id)
+    return run_id

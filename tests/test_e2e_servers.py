@@ -1,25 +1,44 @@
-"""End to end against real local servers, all on 127.0.0.1: a Prefect server, a process
-work pool and worker, an MLflow server; deploy from deployments/prefect.yaml, trigger a
-tiny run, read the runs back through MLflow's REST API, shut everything down."""
+"""End to end against real local servers, all on 127.0.0.1, in the order a user meets them:
+
+1. a ``make run``-style run with no server (temporary Prefect API, MLflow in ``<workdir>/mlflow.db``);
+2. ``verl-core servers`` (the real CLI) serving that same store, and a second run through them;
+3. the deployment commands of ``deployments/README.md`` (the same as README.md's), literally,
+   with a worker, and the deployed run Completed.
+
+MLflow is read back through its REST API, Prefect through its REST API; every link published into
+Prefect artifacts and MLflow tags must answer 200.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from flows.cli import launch, server_commands, stop, wait_http
+from flows.cli import launch, stop, wait_http
 
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not all((Path(sys.executable).parent / b).exists() for b in ("prefect", "mlflow", "verl-core")),
+        reason="prefect/mlflow/verl-core CLIs not installed",
+    ),
+]
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-POOL, DEPLOYMENT = "verl-core-process", "rlhf-pipeline/rlhf-default"
+STAGES = ["evaluation", "policy_optimisation", "preference_data", "reward_model", "sft"]
+TRAINING = ("sft", "reward_model", "policy_optimisation")
 
 
 def free_port() -> int:
@@ -28,100 +47,234 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def mlflow_api(base: str, path: str, body: dict | None = None, method: str = "GET") -> dict:
+def http_json(url: str, body: dict | None = None, method: str = "GET") -> dict | list:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(
-        f"{base}/api/2.0/mlflow/{path}", data=data, method=method, headers={"Content-Type": "application/json"}
-    )
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as resp:
         return json.loads(resp.read())
 
 
-def tiny_params(workdir: Path) -> dict:
-    return {
-        "config": {
-            "name": "e2e",
-            "workdir": str(workdir),
-            "sft": {"max_steps": 10, "batch_size": 8, "save_steps": 5, "logging_steps": 5, "progress": False},
-            "preference_data": {"num_prompts": 40},
-            "reward_model": {"max_steps": 5, "batch_size": 8, "save_steps": 5, "logging_steps": 5, "progress": False},
-            "policy_optimisation": {
-                "algorithm": "dpo",
-                "dpo": {"max_steps": 3, "batch_size": 8, "save_steps": 2, "progress": False},
-            },
-            "evaluation": {"num_rows": 10, "max_new_tokens": 8},
-        }
-    }
+def status_of(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
 
 
-@pytest.mark.skipif(not (BIN / "prefect").exists() or not (BIN / "mlflow").exists(), reason="prefect/mlflow CLIs not installed")
-def test_deployed_pipeline_runs_on_local_servers_and_logs_to_mlflow(tmp_path):
+def tiny_overrides(workdir: Path, algorithm: str) -> list[str]:
+    return [
+        "name=e2e",
+        f"workdir={workdir}",
+        "sft.max_steps=10",
+        "sft.batch_size=8",
+        "sft.save_steps=5",
+        "preference_data.num_prompts=40",
+        "reward_model.max_steps=5",
+        "reward_model.batch_size=8",
+        "reward_model.save_steps=5",
+        f"policy_optimisation.algorithm={algorithm}",
+        f"policy_optimisation.{algorithm}.max_steps=3",
+        f"policy_optimisation.{algorithm}.batch_size=8",
+        "evaluation.num_rows=10",
+        "evaluation.max_new_tokens=8",
+    ]
+
+
+def documented_commands(path: Path) -> list[str]:
+    """The ``prefect ...`` lines of a markdown file's bash blocks (continuations joined, comments and ``&`` dropped)."""
+    text = path.read_text()
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#", 1)[0].strip().removesuffix("&").strip()
+            if line.startswith("prefect "):
+                lines.append(" ".join(line.split()))
+    return lines
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Run 1 without servers, then ``verl-core servers`` on the same workdir, then run 2 through them."""
+    tmp = tmp_path_factory.mktemp("e2e")
+    workdir = tmp / "runs"
     prefect_port, mlflow_port = free_port(), free_port()
-    commands = server_commands(tmp_path, prefect_port, mlflow_port)
-    api = f"http://127.0.0.1:{prefect_port}/api"
-    mlflow_url = f"http://127.0.0.1:{mlflow_port}"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_API_URL": api,
-        "PREFECT_UI_API_URL": api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "MLFLOW_TRACKING_URI": mlflow_url,
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "PWD": str(ROOT),
-    }
+    api, mlflow_url = f"http://127.0.0.1:{prefect_port}/api", f"http://127.0.0.1:{mlflow_port}"
+    base_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
+    base_env.update(
+        {
+            "PREFECT_HOME": str(tmp / "prefect-home"),  # the temporary API of run 1 and the server share its database
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "600",  # a busy machine starts it slowly
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "PWD": str(ROOT),
+        }
+    )
+    server_env = {**base_env, "PREFECT_API_URL": api, "PREFECT_UI_API_URL": api, "MLFLOW_TRACKING_URI": mlflow_url}
 
-    def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        done = subprocess.run([str(BIN / "prefect"), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        assert done.returncode == 0, f"prefect {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    def run(env: dict, algorithm: str, log: str) -> str:
+        cmd = [str(BIN / "verl-core"), "run"]
+        for item in [*tiny_overrides(workdir, algorithm), f"tracking.ui_url={mlflow_url}"]:
+            cmd += ["--set", item]
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        (tmp / log).write_text(done.stdout + done.stderr)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        return done.stdout
+
+    first = run(base_env, "dpo", "run1.log")  # `make run`: no server anywhere
+    proc = launch(
+        [
+            str(BIN / "verl-core"),
+            "servers",
+            "--workdir",
+            str(workdir),
+            "--prefect-port",
+            str(prefect_port),
+            "--mlflow-port",
+            str(mlflow_port),
+        ],
+        base_env,
+        tmp / "servers.log",
+    )
+    procs = [proc]
+    try:
+        wait_http(f"{api}/health", timeout=180, proc=proc)
+        wait_http(f"{mlflow_url}/health", timeout=180, proc=proc)
+        second = run(server_env, "orpo", "run2.log")
+        yield {
+            "tmp": tmp,
+            "env": server_env,
+            "api": api,
+            "mlflow": mlflow_url,
+            "outputs": (first, second),
+            "procs": procs,
+            "workdir": workdir,
+        }
+    finally:
+        for p in reversed(procs):
+            stop(p, grace=10)
+
+
+def mlflow_runs(base: str) -> list[dict]:
+    exp = http_json(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=verl-core")["experiment"]
+    body = {"experiment_ids": [exp["experiment_id"]], "max_results": 200}
+    return http_json(f"{base}/api/2.0/mlflow/runs/search", body, "POST")["runs"]
+
+
+def tags_of(run: dict) -> dict[str, str]:
+    return {t["key"]: t["value"] for t in run["data"].get("tags", [])}
+
+
+def test_one_store_two_complete_runs_comparable_in_mlflow_with_models_and_a_champion(servers):
+    base = servers["mlflow"]
+    first_out, second_out = servers["outputs"]
+    # the UI lines printed by each run work: run 1 (no server yet) prints a server command on the
+    # published port over the same store; run 2 (server up) prints its address
+    assert f"--backend-store-uri sqlite:///{servers['workdir'] / 'mlflow.db'}" in first_out
+    assert f"MLflow UI:   {base}" in second_out
+
+    exp = http_json(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=verl-core")["experiment"]
+    assert {t["key"]: t["value"] for t in exp["tags"]}["mlflow.experimentKind"] == "custom_model_development"
+    runs = mlflow_runs(base)
+    parents = sorted((r for r in runs if "mlflow.parentRunId" not in tags_of(r)), key=lambda r: r["info"]["start_time"])
+    assert [p["info"]["run_name"].split(" ")[0] for p in parents] == ["e2e/dpo", "e2e/orpo"]
+    children = {
+        p["info"]["run_id"]: {
+            tags_of(r)["verl_core.stage"]: r for r in runs if tags_of(r).get("mlflow.parentRunId") == p["info"]["run_id"]
+        }
+        for p in parents
+    }
+    first, second = (children[p["info"]["run_id"]] for p in parents)
+    assert sorted(first) == STAGES and sorted(second) == STAGES  # one child per stage, in both
+    assert {r["info"]["status"] for r in runs if r in [*first.values(), *second.values(), *parents]} == {"FINISHED"}
+    # run 2 reused SFT, pairs and reward model from the cache: finished children tagged cached, linking run 1's
+    for stage in ("sft", "preference_data", "reward_model"):
+        tags = tags_of(second[stage])
+        assert tags["cached"] == "true" and tags["verl_core.cached_from_run_id"] == first[stage]["info"]["run_id"]
+    assert "cached" not in tags_of(second["policy_optimisation"])
+    # comparable: the same short set of key params and the headline metrics on both parents
+    params = [{p["key"]: p["value"] for p in r["data"]["params"]} for r in parents]
+    assert params[0].keys() == params[1].keys() and len(params[0]) <= 15
+    assert [p["algorithm"] for p in params] == ["dpo", "orpo"]
+    metrics = [{m["key"]: m["value"] for m in r["data"]["metrics"]} for r in parents]
+    assert all({"accuracy/sft", "accuracy/final", "accuracy_gain"} <= m.keys() for m in metrics)
+    # every trained model folder is among its run's artifacts
+    for stage in TRAINING:
+        listed = http_json(f"{base}/api/2.0/mlflow/artifacts/list?run_id={first[stage]['info']['run_id']}&path=model")
+        assert "model/config.json" in {f["path"] for f in listed["files"]}, stage
+    # the registry: a version per evaluated policy, linked to its training run; champion = the better one
+    query = urllib.parse.urlencode({"filter": "name='verl-core-policy'"})
+    versions = http_json(f"{base}/api/2.0/mlflow/model-versions/search?{query}")
+    versions = sorted(versions["model_versions"], key=lambda v: int(v["version"]))
+    trained_by = [first["policy_optimisation"]["info"]["run_id"], second["policy_optimisation"]["info"]["run_id"]]
+    assert [v["run_id"] for v in versions] == trained_by
+    scores = [float({t["key"]: t["value"] for t in v["tags"]}["heldout_score"]) for v in versions]
+    assert scores == [round(m["accuracy/final"], 4) for m in metrics]
+    champion = http_json(f"{base}/api/2.0/mlflow/registered-models/alias?name=verl-core-policy&alias=champion")
+    best = 0 if scores[0] >= scores[1] else 1  # a tie keeps the first champion
+    assert champion["model_version"]["version"] == versions[best]["version"]
+
+
+def test_every_link_in_prefect_artifacts_and_mlflow_tags_answers(servers):
+    api, base = servers["api"], servers["mlflow"]
+    artifacts = http_json(f"{api}/artifacts/filter", {}, "POST")
+    links = set()
+    for art in artifacts:
+        data = art.get("data")
+        if isinstance(data, str):
+            found = re.findall(r"\]\((https?://[^)\s]+)\)", data)
+            links.update(found or ([data] if art["type"] == "link" else []))
+    mlflow_links = {u for u in links if u.startswith(base)}
+    assert len(mlflow_links) >= 10  # both runs' stages and parents
+    for url in sorted(links):
+        assert status_of(url) == 200, url
+    for run_id in {u.rsplit("/runs/", 1)[1] for u in mlflow_links}:  # the run a link names exists in the served store
+        assert http_json(f"{base}/api/2.0/mlflow/runs/get?run_id={run_id}")["run"]["info"]["run_id"] == run_id
+    # and back: run 2's MLflow runs link to their Prefect flow run
+    flow_urls = {tags_of(r).get("prefect.flow_run_url") for r in mlflow_runs(base)} - {None}
+    assert flow_urls and all(status_of(u) == 200 for u in flow_urls)
+
+
+def test_the_documented_deployment_commands_run_the_pipeline_on_a_worker(servers):
+    docs = documented_commands(ROOT / "deployments" / "README.md")
+    readme = documented_commands(ROOT / "README.md")
+    setup = [c for c in docs if c.split()[1:3] in (["work-pool", "create"], ["--no-prompt", "deploy"], ["worker", "start"])]
+    setup = [c for c in setup if "verl-core-process" in c or "deploy" in c]
+    trigger = next(c for c in docs if c.startswith("prefect deployment run") and c.endswith("--watch"))
+    assert readme == [*setup, trigger]  # README.md's quick deploy block = the deployment guide's commands
+    env, tmp = servers["env"], servers["tmp"]
+
+    def cli(command: str, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        args = shlex.split(command)
+        done = subprocess.run(
+            [str(BIN / args[0]), *args[1:], *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
         return done
 
-    procs: list[subprocess.Popen] = []
-    try:
-        for name in ("prefect", "mlflow"):
-            cmd, extra_env, _ = commands[name]
-            procs.append(launch(cmd, {**env, **extra_env}, tmp_path / f"{name}.log"))
-        for proc, name in zip(procs, ("prefect", "mlflow")):
-            wait_http(commands[name][2], timeout=120, proc=proc)
-
-        cli("work-pool", "create", POOL, "--type", "process")
-        cli("--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--name", "rlhf-default")
-        procs.append(
-            launch(
-                [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--prefetch-seconds", "5"],
-                {**env, "PREFECT_WORKER_QUERY_SECONDS": "2"},
-                tmp_path / "worker.log",
-            )
-        )
-
-        started = time.monotonic()
-        run = cli(
-            "deployment",
-            "run",
-            DEPLOYMENT,
-            "--params",
-            json.dumps(tiny_params(tmp_path / "work")),
-            "--watch",
-            "--watch-timeout",
-            "240",
-            timeout=260,
-        )
-        assert "Completed" in run.stdout, run.stdout + (tmp_path / "worker.log").read_text()[-3000:]
-        print(f"deployed run took {time.monotonic() - started:.0f}s")
-
-        exp = mlflow_api(mlflow_url, "experiments/get-by-name?experiment_name=verl-core")["experiment"]
-        runs = mlflow_api(mlflow_url, "runs/search", {"experiment_ids": [exp["experiment_id"]], "max_results": 50}, "POST")[
-            "runs"
-        ]
-        tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
-        parents = [t for t in tags if "mlflow.parentRunId" not in t]
-        stages = sorted(t["verl_core.stage"] for t in tags if "verl_core.stage" in t)
-        assert len(parents) == 1 and stages == ["evaluation", "policy_optimisation", "preference_data", "reward_model", "sft"]
-        assert {r["info"]["status"] for r in runs} == {"FINISHED"}
-        assert (
-            mlflow_api(mlflow_url, "registered-models/get?name=verl-core-policy")["registered_model"]["name"]
-            == "verl-core-policy"
-        )
-    finally:
-        for proc in reversed(procs):
-            stop(proc, grace=5)
+    create, deploy, worker = setup
+    cli(create)
+    cli(deploy)
+    deployment = http_json(f"{servers['api']}/deployments/name/rlhf-pipeline/rlhf-default")
+    assert deployment["work_pool_name"] == shlex.split(create)[3]
+    # the stored defaults keep host-dependent settings unresolved: each worker resolves them on its host
+    default = deployment["parameter_openapi_schema"]["properties"]["config"].get("default", {})
+    assert default.get("sft", {}).get("mixed_precision") == "auto", default.get("sft")
+    args = shlex.split(worker)
+    servers["procs"].append(
+        launch([str(BIN / args[0]), *args[1:]], {**env, "PREFECT_WORKER_QUERY_SECONDS": "2"}, tmp / "worker.log")
+    )
+    params = {"config": {}}
+    for item in tiny_overrides(servers["workdir"], "simpo"):
+        key, value = item.split("=", 1)
+        node = params["config"]
+        *path, leaf = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = int(value) if value.isdigit() else value
+    started = time.monotonic()
+    run = cli(trigger, "--params", json.dumps(params), "--watch-timeout", "400", timeout=420)
+    assert "Completed" in run.stdout, run.stdout + (tmp / "worker.log").read_text()[-3000:]
+    print(f"deployed run took {time.monotonic() - started:.0f}s")
+    parents = [r for r in mlflow_runs(servers["mlflow"]) if r["info"]["run_name"].startswith("e2e/simpo")]
+    assert len(parents) == 1 and parents[0]["info"]["status"] == "FINISHED"

@@ -148,7 +148,15 @@ def test_mlflow_holds_one_parent_and_one_nested_run_per_stage_and_the_registered
     c = mlflow_client(cfg)
     parent = c.get_run(result.mlflow_run_id)
     assert parent.info.status == "FINISHED" and "mlflow.parentRunId" not in parent.data.tags
-    assert parent.data.params["sft.max_steps"] == "20"
+    assert parent.info.run_name.startswith("rlhf/ppo 20")  # pipeline/algorithm + start time
+    # a short set of key params (the full config is the config.yaml artifact), the headline metrics
+    assert parent.data.params["sft.max_steps"] == "20" and parent.data.params["algorithm"] == "ppo"
+    assert len(parent.data.params) <= 15 and "config.yaml" in {a.path for a in c.list_artifacts(parent.info.run_id)}
+    m = result.records["evaluation"].metrics
+    assert {k: parent.data.metrics[k] for k in ("accuracy/sft", "accuracy/final")} == {
+        k: m[k] for k in ("accuracy/sft", "accuracy/final")
+    }
+    assert c.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     runs = {r.data.tags["verl_core.stage"]: r for r in children(cfg, result.mlflow_run_id)}
     assert sorted(runs) == sorted(TRAINED) and len(children(cfg, result.mlflow_run_id)) == len(TRAINED)
     for name, run in runs.items():
@@ -156,12 +164,18 @@ def test_mlflow_holds_one_parent_and_one_nested_run_per_stage_and_the_registered
         assert run.data.tags["prefect.flow_run_id"] == result.flow_run_id
         assert result.records[name].mlflow_run_id == run.info.run_id
     sft_loss = c.get_metric_history(runs["sft"].info.run_id, "loss")
-    assert len(sft_loss) == 20 // cfg.sft.logging_steps  # per-step curve from MLflowCallback
+    assert len(sft_loss) == 20  # 20 steps: a point per step (logging every min(logging_steps, steps/20))
+    assert not [k for r in runs.values() for k in r.data.metrics if k.startswith("final/")]
+    for name in ("sft", "reward_model", "policy_optimisation"):  # each model folder is among its run's artifacts
+        assert "model/config.json" in {a.path for a in c.list_artifacts(runs[name].info.run_id, "model")}, name
     assert {d.dataset.name for d in runs["sft"].inputs.dataset_inputs} == {"sft-train"}
     assert {d.dataset.name for d in runs["reward_model"].inputs.dataset_inputs} == {"rm-train", "rm-eval"}
     assert "accuracy.png" in {a.path for a in c.list_artifacts(runs["evaluation"].info.run_id)}
     versions = c.search_model_versions(f"name = '{cfg.tracking.registered_model_name}'")
-    assert [v.run_id for v in versions] == [runs["evaluation"].info.run_id]
+    # the version links the run that trained the policy, and is the champion (the first one)
+    assert [v.run_id for v in versions] == [runs["policy_optimisation"].info.run_id]
+    assert versions[0].tags["algorithm"] == "ppo" and versions[0].tags["heldout_score"] == f"{m['accuracy/final']:.4f}"
+    assert c.get_model_version_by_alias(cfg.tracking.registered_model_name, "champion").version == versions[0].version
 
 
 def test_prefect_shows_artifacts_for_the_evaluation(first):
@@ -187,8 +201,17 @@ def test_rerunning_the_same_pipeline_is_all_cached_and_fast(first):
     assert {again.states[s] for s in TRAINED} == {"Cached"}
     assert {task_runs(again.flow_run_id)[s].state.name for s in TRAINED} == {"Cached"}
     assert again.records["evaluation"] == result.records["evaluation"]
-    assert seconds < 20 and seconds < first_seconds / 3
-    assert children(cfg, again.mlflow_run_id) == []  # a cache hit runs no body and logs nothing
+    assert seconds < 30 and seconds < first_seconds / 3
+    # a cache hit runs no task body, but the pipeline run still gets a finished child per stage,
+    # tagged cached, linking the run that computed it, with its headline metrics
+    cached = {r.data.tags["verl_core.stage"]: r for r in children(cfg, again.mlflow_run_id)}
+    assert sorted(cached) == sorted(TRAINED)
+    for name, run in cached.items():
+        assert run.info.status == "FINISHED" and run.data.tags["cached"] == "true"
+        assert run.data.tags["verl_core.cached_from_run_id"] == result.records[name].mlflow_run_id
+    assert cached["evaluation"].data.metrics["accuracy/final"] == result.records["evaluation"].metrics["accuracy/final"]
+    parent = mlflow_client(cfg).get_run(again.mlflow_run_id)
+    assert parent.data.metrics["accuracy/final"] == result.records["evaluation"].metrics["accuracy/final"]
 
 
 def test_changing_one_stage_reruns_it_and_downstream_only(first):
@@ -218,6 +241,7 @@ def test_injected_fault_is_retried_and_the_retry_resumes_from_the_checkpoint(fir
     assert task_runs(result.flow_run_id)["reward_model"].run_count == 2
     rm_runs = [r for r in children(cfg, result.mlflow_run_id) if r.data.tags["verl_core.stage"] == "reward_model"]
     assert len(rm_runs) == 1 and rm_runs[0].info.status == "FINISHED" and rm_runs[0].data.tags["prefect.attempt"] == "2"
+    assert "verl_core.error" not in rm_runs[0].data.tags  # the failed first attempt's error went with its retry
 
 
 def test_killed_stage_resumes_on_rerun_and_ends_like_an_uninterrupted_run(first, monkeypatch, tmp_path):
@@ -237,9 +261,11 @@ def test_killed_stage_resumes_on_rerun_and_ends_like_an_uninterrupted_run(first,
         filter_string="tags.`verl_core.flow` = 'stage-reward-model'",
     )[0]
     assert failed_parent.info.status == "FAILED"
-    assert [
-        r.info.status for r in children(cfg, failed_parent.info.run_id) if r.data.tags["verl_core.stage"] == "reward_model"
-    ] == ["FAILED"]
+    assert "InjectedFault: injected fault after the checkpoint" in failed_parent.data.tags["verl_core.error"]
+    failed = [r for r in children(cfg, failed_parent.info.run_id) if r.data.tags["verl_core.stage"] == "reward_model"]
+    assert [r.info.status for r in failed] == ["FAILED"]
+    assert failed[0].data.tags["verl_core.error"].startswith("InjectedFault: injected fault after the checkpoint of step 20")
+    assert "InjectedFault" in failed[0].data.tags["mlflow.note.content"]
 
     monkeypatch.undo()
     resumed = stage_flow("reward_model", cfg)

@@ -89,8 +89,19 @@ RECIPE: dict[str, dict[str, Any]] = {
 }
 
 
+class _Unresolved(StrictConfig):
+    """Keeps host-dependent choices (``mixed_precision: auto``) as written: a pipeline config travels
+    (a Prefect deployment stores it, a worker on another host runs it), so each host resolves them when
+    its trainer config is built (``training.train_in_stage``); cache keys use the resolved value."""
+
+    @model_validator(mode="after")
+    def _resolve_precision(self):  # overrides TrainConfig's validator of the same name
+        return self
+
+
 def with_defaults(base: type[StrictConfig], name: str, defaults: dict[str, Any], doc: str | None = None) -> type:
-    """``base`` with other defaults for some of its fields (constraints and descriptions kept)."""
+    """``base`` with other defaults for some of its fields (constraints and descriptions kept), its
+    host-dependent settings left unresolved (:class:`_Unresolved`)."""
     fields: dict[str, Any] = {}
     for key, value in defaults.items():
         if key not in base.model_fields:
@@ -103,7 +114,7 @@ def with_defaults(base: type[StrictConfig], name: str, defaults: dict[str, Any],
             new = FieldInfo.merge_field_infos(info, default=value)
             new.default_factory = None
         fields[key] = (info.annotation, new)
-    model = create_model(name, __base__=base, __module__=__name__, **fields)
+    model = create_model(name, __base__=(_Unresolved, base), __module__=__name__, **fields)
     model.__doc__ = doc or base.__doc__
     return model
 
@@ -239,8 +250,12 @@ class TrackingConfig(StrictConfig):
     ui_url: str | None = Field(
         None, description="MLflow UI base URL for links; default: the URI when http, else http://127.0.0.1:5000"
     )
-    log_model: bool = True
-    registered_model_name: str | None = "verl-core-policy"
+    log_stage_models: bool = Field(
+        True, description="log each stage's model folder as artifacts of its run (off for large models: tags keep the path)"
+    )
+    registered_model_name: str | None = Field(
+        "verl-core-policy", description="register each evaluated policy here (alias 'champion' = best); null: off"
+    )
 
 
 class OrchestrationConfig(StrictConfig):

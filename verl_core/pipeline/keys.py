@@ -19,6 +19,7 @@ from verl_core.fingerprint import fingerprint_path
 from verl_core.pipeline.config import DataSource, PipelineConfig
 from verl_core.pipeline.records import StageRecord
 from verl_core.pipeline.registry import STEPS, stage_for, variant_of
+from verl_core.precision import resolve_mixed_precision
 
 # Fields that change how a run looks, not what it computes: kept out of cache keys.
 VOLATILE_FIELDS = {"progress", "output_dir", "resume", "model_path", "path", "enabled"}
@@ -36,10 +37,20 @@ def section_for_key(config: PipelineConfig, name: str) -> dict[str, Any]:
     if selector:
         variants = {s.name.split(":", 1)[1] for s in STEPS[name].stages}
         drop = (variants - {getattr(section, selector)}) & set(type(section).model_fields)
-    dumped = section.model_dump(mode="json", exclude=drop | VOLATILE_FIELDS)
+    dumped = _resolved(section.model_dump(mode="json", exclude=drop | VOLATILE_FIELDS))
     if name == "evaluation":  # registration is part of evaluate-and-register
-        dumped["_tracking"] = config.tracking.model_dump(mode="json", include={"log_model", "registered_model_name"})
+        dumped["_tracking"] = config.tracking.model_dump(mode="json", include={"registered_model_name"})
     return dumped
+
+
+def _resolved(data: Any) -> Any:
+    """``mixed_precision: auto`` as this host resolves it: a bf16 result is not an fp32 one."""
+    if isinstance(data, dict):
+        return {
+            k: resolve_mixed_precision(v) if k == "mixed_precision" and isinstance(v, str) else _resolved(v)
+            for k, v in data.items()
+        }
+    return data
 
 
 def _data_fingerprints(section: Any) -> dict[str, str]:

@@ -12,16 +12,28 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+
+import yaml
 
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.records import StageRecord, StageResult
+from verl_core.pipeline.run_summary import headline_metrics, key_params, pipeline_run_name, prefect_flow_run_url
 
 log = logging.getLogger("verl_core")
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 PARENT_TAG = "mlflow.parentRunId"
 FLOW_RUN_TAG = "prefect.flow_run_id"
 TASK_RUN_TAG = "prefect.task_run_id"
+FLOW_RUN_URL_TAG = "prefect.flow_run_url"
 STAGE_TAG = "verl_core.stage"
-PIP_REQUIREMENTS = ["torch", "transformers", "accelerate", "safetensors"]
+NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI (markdown)
+ERROR_TAG = "verl_core.error"
+# MLflow 3's UI reads the experiment's kind from this tag; without it an empty experiment opens in
+# GenAI mode (Traces, Judges). The value the UI knows for classic training is "custom_model_development".
+TRAINING_STAGES = ("sft", "reward_model", "policy_optimisation")  # their trainer logs its settings as params
+MODEL_ARTIFACT = "model"  # where a stage's model folder goes among its run's artifacts
+EXPERIMENT_KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 
 
 def tracking_uri(config: PipelineConfig) -> str:
@@ -47,24 +59,36 @@ def client(config: PipelineConfig):
 
 
 def experiment_id(config: PipelineConfig) -> str:
+    """The configured experiment (created when missing), marked as a model-training experiment."""
     c = client(config)
     exp = c.get_experiment_by_name(config.tracking.experiment)
-    if exp is not None:
-        return exp.experiment_id
-    try:
-        return c.create_experiment(config.tracking.experiment, artifact_location=artifact_location(config))
-    except Exception:  # created concurrently
-        return c.get_experiment_by_name(config.tracking.experiment).experiment_id
+    if exp is None:
+        try:
+            c.create_experiment(
+                config.tracking.experiment,
+                artifact_location=artifact_location(config),
+                tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING},
+            )
+        except Exception:  # created concurrently
+            pass
+        exp = c.get_experiment_by_name(config.tracking.experiment)
+    if exp.tags.get(EXPERIMENT_KIND_TAG) is None:
+        c.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+    return exp.experiment_id
 
 
 def artifact_location(config: PipelineConfig) -> str | None:
-    """Artifacts beside a SQLite store (never MLflow's default ``./mlruns`` in the working directory);
-    a tracking server decides for itself."""
+    """``<store folder>/mlartifacts``: beside a SQLite store (never MLflow's default ``./mlruns`` in
+    the working directory), and the same folder when the store is served by a server on this host
+    (``verl-core servers`` serves ``<workdir>/mlflow.db`` with ``--artifacts-destination
+    <workdir>/mlartifacts``), so runs logged with and without the server share one artifact root.
+    A remote server decides for itself."""
     uri = tracking_uri(config)
-    if uri.startswith(("http://", "https://", "databricks")):
-        return None
-    root = Path(uri[len("sqlite:///") :]).parent if uri.startswith("sqlite:///") else config.workdir_path
-    return (root / "mlartifacts").as_uri()
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///") :]).parent / "mlartifacts").as_uri()
+    if urlparse(uri).hostname in LOCAL_HOSTS:
+        return (config.workdir_path / "mlartifacts").as_uri()
+    return None
 
 
 def ui_url(config: PipelineConfig) -> str:
@@ -100,22 +124,36 @@ def _open(config: PipelineConfig, reuse_tag: str | None, reuse_value: str | None
         run_id = c.create_run(experiment_id(config), run_name=name, tags={k: v for k, v in tags.items() if v}).info.run_id
     else:
         c.update_run(run_id, status="RUNNING")
+        if ERROR_TAG in c.get_run(run_id).data.tags:  # the previous attempt's error; this attempt may succeed
+            c.delete_tag(run_id, ERROR_TAG)
         for k, v in tags.items():
             if v:
                 c.set_tag(run_id, k, v)
     return run_id
 
 
+def _prefect_link(flow_run_id: str | None, url: str | None) -> str:
+    return f"; Prefect flow run: [{flow_run_id}]({url})" if url else ""
+
+
 def start_pipeline_run(config: PipelineConfig, flow_name: str, flow_run_id: str | None = None) -> str:
-    """The parent run of one pipeline run: params = the whole config, artifact = config.yaml."""
+    """The parent run of one pipeline run: a short set of key params (run_summary.key_params), the
+    whole resolved config as the ``config.yaml`` artifact, a description linking the Prefect flow run."""
+    url = prefect_flow_run_url(flow_run_id)
     run_id = _open(
         config,
         FLOW_RUN_TAG,
         flow_run_id,
-        f"{config.name}:{flow_name}",
-        {FLOW_RUN_TAG: flow_run_id or "", "verl_core.flow": flow_name},
+        pipeline_run_name(config, flow_name),
+        {
+            FLOW_RUN_TAG: flow_run_id or "",
+            FLOW_RUN_URL_TAG: url or "",
+            "verl_core.flow": flow_name,
+            "verl_core.algorithm": config.policy_optimisation.algorithm,
+            NOTE_TAG: f"Pipeline `{config.name}`, flow `{flow_name}`" + _prefect_link(flow_run_id, url),
+        },
     )
-    log_params(config, run_id, flatten(config.model_dump(mode="json")))
+    log_params(config, run_id, key_params(config))
     with tempfile.TemporaryDirectory() as tmp:
         config.to_yaml(Path(tmp) / "config.yaml")
         client(config).log_artifact(run_id, str(Path(tmp) / "config.yaml"))
@@ -132,19 +170,30 @@ def start_stage_run(
     task_run_id: str | None = None,
     attempt: int | None = None,
 ) -> str:
-    """A nested run for one stage; a retry of the same Prefect task run reuses it (tagged with the attempt)."""
+    """A nested run for one stage; a retry of the same Prefect task run reuses it (tagged with the attempt).
+
+    Params: the settings that make the stage's cache key (the chosen variant's only), as the
+    ``stage_config.yaml`` artifact; training stages add their trainer's settings as params
+    through :class:`~verl_core.callbacks.MLflowCallback`, the others get theirs as params here."""
+    from verl_core.pipeline.keys import section_for_key
+
+    url = prefect_flow_run_url(flow_run_id)
     tags = {
         PARENT_TAG: parent_run_id or "",
         STAGE_TAG: stage,
         "verl_core.variant": variant or "",
         "verl_core.cache_key": key,
         FLOW_RUN_TAG: flow_run_id or "",
+        FLOW_RUN_URL_TAG: url or "",
         TASK_RUN_TAG: task_run_id or "",
         "prefect.attempt": str(attempt) if attempt else "",
+        NOTE_TAG: f"Stage `{stage}`" + (f" ({variant})" if variant else "") + _prefect_link(flow_run_id, url),
     }
     run_id = _open(config, TASK_RUN_TAG, task_run_id, stage if not variant else f"{stage}-{variant}", tags)
-    section = getattr(config, stage).model_dump(mode="json")
-    log_params(config, run_id, flatten(section))
+    section = section_for_key(config, stage)
+    if stage not in TRAINING_STAGES:
+        log_params(config, run_id, flatten(section))
+    client(config).log_text(run_id, yaml.safe_dump(section, sort_keys=False), "stage_config.yaml")
     return run_id
 
 
@@ -170,14 +219,16 @@ def log_inputs(config: PipelineConfig, run_id: str, inputs: dict[str, StageRecor
 
 
 def log_stage_result(config: PipelineConfig, run_id: str, result: StageResult) -> None:
-    """Headline metrics, fingerprint, datasets, artifact files and (if any) the model to register."""
+    """Summary metrics (those without a curve, once each), fingerprint, datasets, artifact files and
+    the stage's model folder (``tracking.log_stage_models``)."""
     import time
 
     from mlflow.entities import Metric
 
     c, rec, out = client(config), result.record, result.output
     now, step = int(time.time() * 1000), int(rec.extra.get("steps", 0))
-    metrics = [Metric(f"final/{k}", v, now, step) for k, v in rec.metrics.items()]
+    curves = set(c.get_run(run_id).data.metrics)  # already logged step by step by MLflowCallback
+    metrics = [Metric(k, v, now, step) for k, v in rec.metrics.items() if k not in curves]
     for i in range(0, len(metrics), 500):
         c.log_batch(run_id, metrics=metrics[i : i + 500])
     for k, v in {
@@ -192,8 +243,12 @@ def log_stage_result(config: PipelineConfig, run_id: str, result: StageResult) -
     for path in out.artifacts:
         if Path(path).is_file():
             c.log_artifact(run_id, str(path))
-    if out.model_to_log and config.tracking.log_model:
-        log_model(config, run_id, out.model_to_log, config.tracking.registered_model_name)
+    if config.tracking.log_stage_models and is_model_folder(rec.output_path):
+        c.log_artifacts(run_id, rec.output_path, MODEL_ARTIFACT)
+
+
+def is_model_folder(path: str) -> bool:
+    return (Path(path) / "config.json").is_file()
 
 
 def log_dataset(config: PipelineConfig, run_id: str, name: str, rows: list[dict], context: str, source: str) -> None:
@@ -214,27 +269,91 @@ def log_dataset(config: PipelineConfig, run_id: str, name: str, rows: list[dict]
         log.warning("could not log dataset %s to MLflow: %s", name, err)
 
 
-def log_model(config: PipelineConfig, run_id: str, model_path: str, registered_name: str | None) -> str | None:
-    """Log the policy folder with ``mlflow.transformers`` and register it; returns the model version."""
-    import mlflow
-
-    from verl_core.models import load_causal_lm, load_tokenizer
-
-    model, tok = load_causal_lm(model_path, trainable=False), load_tokenizer(model_path)
-    configure(config)
-    with mlflow.start_run(run_id=run_id):  # the active-run stack is thread-local: safe in a task thread
-        info = mlflow.transformers.log_model(
-            {"model": model, "tokenizer": tok},
-            name="policy",
-            task="text-generation",
-            pip_requirements=PIP_REQUIREMENTS,
-            registered_model_name=registered_name,
-        )
-    return str(info.registered_model_version) if getattr(info, "registered_model_version", None) else None
-
-
-def end_run(config: PipelineConfig, run_id: str, status: str = "FINISHED", tags: dict[str, str] | None = None) -> None:
+def end_run(
+    config: PipelineConfig,
+    run_id: str,
+    status: str = "FINISHED",
+    tags: dict[str, str] | None = None,
+    error: BaseException | None = None,
+) -> None:
+    """Terminate the run; a failed one carries the exception's type and message as the
+    ``verl_core.error`` tag and at the top of its description."""
     c = client(config)
     for k, v in (tags or {}).items():
         c.set_tag(run_id, k, v)
+    if error is not None:
+        text = f"{type(error).__name__}: {error}"
+        c.set_tag(run_id, ERROR_TAG, text[:5000])
+        note = c.get_run(run_id).data.tags.get(NOTE_TAG, "")
+        c.set_tag(run_id, NOTE_TAG, f"**Failed** with `{type(error).__name__}`:\n\n```\n{error}\n```\n\n{note}")
     c.set_terminated(run_id, status=status)
+
+
+def finish_pipeline_run(
+    config: PipelineConfig,
+    run_id: str,
+    records: dict[str, StageRecord | None],
+    states: dict[str, str],
+    stage_runs: dict[str, str],
+    error: BaseException | None = None,
+) -> None:
+    """The parent run's headline metrics (copied from its stages), stage states and run ids, then its end."""
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    metrics = [Metric(k, v, now, 0) for k, v in headline_metrics(records).items()]
+    if metrics:
+        client(config).log_batch(run_id, metrics=metrics)
+    tags = {f"stage.{k}.state": v for k, v in states.items()}
+    tags.update({f"stage.{k}.mlflow_run_id": v for k, v in stage_runs.items()})
+    end_run(config, run_id, "FAILED" if error is not None else "FINISHED", tags, error)
+
+
+def log_cached_stage(
+    config: PipelineConfig, parent_run_id: str | None, record: StageRecord, flow_run_id: str | None = None
+) -> str:
+    """A FINISHED child run for a stage Prefect served from its cache, so the pipeline run is complete
+    in MLflow: tagged ``cached=true``, linking the run that computed it, with its headline metrics."""
+    import time
+
+    from mlflow.entities import Metric
+
+    c = client(config)
+    origin = record.mlflow_run_id
+    origin_url = run_url(config, origin) if origin and _run_exists(config, origin) else None
+    url = prefect_flow_run_url(flow_run_id)
+    name = record.stage if not record.variant else f"{record.stage}-{record.variant}"
+    note = f"Stage `{record.stage}` served from the Prefect cache (key `{(record.cache_key or '')[:16]}`)"
+    note += f"; computed by [{origin}]({origin_url})" if origin_url else ""
+    note += _prefect_link(flow_run_id, url)
+    tags = {
+        PARENT_TAG: parent_run_id or "",
+        STAGE_TAG: record.stage,
+        "verl_core.variant": record.variant or "",
+        "verl_core.cache_key": record.cache_key or "",
+        "cached": "true",
+        "verl_core.cached_from_run_id": origin or "",
+        "verl_core.cached_from_url": origin_url or "",
+        "verl_core.fingerprint": record.fingerprint,
+        "verl_core.output_path": record.output_path,
+        FLOW_RUN_TAG: flow_run_id or "",
+        FLOW_RUN_URL_TAG: url or "",
+        NOTE_TAG: note,
+    }
+    run_id = c.create_run(experiment_id(config), run_name=name, tags={k: v for k, v in tags.items() if v}).info.run_id
+    now = int(time.time() * 1000)
+    metrics = [Metric(k, v, now, int(record.extra.get("steps", 0))) for k, v in record.metrics.items()]
+    for i in range(0, len(metrics), 500):
+        c.log_batch(run_id, metrics=metrics[i : i + 500])
+    c.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def _run_exists(config: PipelineConfig, run_id: str) -> bool:
+    try:
+        client(config).get_run(run_id)
+        return True
+    except Exception:  # another store, or deleted
+        return False

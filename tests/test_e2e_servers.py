@@ -55,8 +55,9 @@ def http_json(url: str, body: dict | None = None, method: str = "GET") -> dict |
 
 
 def status_of(url: str) -> int:
+    """The status a browser gets: the Prefect UI answers page routes only to HTML navigation."""
     try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": "text/html"}), timeout=30) as resp:
             return resp.status
     except urllib.error.HTTPError as err:
         return err.code

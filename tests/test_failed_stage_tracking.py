@@ -32,6 +32,6 @@ def test_a_data_error_leaves_a_failed_run_that_says_what_went_wrong(tmp_path):
     (run,) = tracking.client(config).search_runs(
         [tracking.experiment_id(config)], filter_string=f"tags.`mlflow.parentRunId` = '{parent}'"
     )
-    assert run.info.status == "FAILED"
+    assert run.info.status == "FAILED" and run.data.tags["verl_core.algorithm"] == "ppo"
     assert run.data.tags["verl_core.error"].startswith("DataError: sft.data.columns: row 0 has no column 'answer'")
     assert run.data.tags["mlflow.note.content"].startswith("**Failed** with `DataError`")

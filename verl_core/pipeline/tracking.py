@@ -182,6 +182,7 @@ def start_stage_run(
         PARENT_TAG: parent_run_id or "",
         STAGE_TAG: stage,
         "verl_core.variant": variant or "",
+        "verl_core.algorithm": config.policy_optimisation.algorithm,  # the evaluation run says what it evaluates
         "verl_core.cache_key": key,
         FLOW_RUN_TAG: flow_run_id or "",
         FLOW_RUN_URL_TAG: url or "",

@@ -10,8 +10,9 @@ One training step (the RLHF loop of Ziegler et al. 2019, arXiv:1909.08593, and O
 4. without gradients: old log-probs, reference log-probs (only when a KL term is on), values,
 5. advantages (the algorithm's :meth:`OnlineTrainer.compute_advantages`: GAE, GRPO, RLOO, ...),
 6. ``ppo_epochs`` passes over shuffled mini-batches, one ``Engine.optimizer_step`` each, on the
-   clipped surrogate ``ppo_policy_loss`` (+ entropy bonus, + KL when ``kl_in="loss"``, + the
-   algorithm's extra loss, e.g. the PPO value loss).
+   policy loss ``POLICY_LOSSES[policy_loss]`` (default ``"vanilla"``, the PPO clipped surrogate;
+   ``"gspo"``, ``"cispo"``) aggregated with ``loss_agg`` (+ entropy bonus, + KL when
+   ``kl_in="loss"``, + the algorithm's extra loss, e.g. the PPO value loss).
 
 :meth:`OnlineTrainer.train_step` is that step; :meth:`Engine.run` loops over it (resume, logging,
 eval and checkpoint cadences in rollout steps, callbacks). Each update's own metrics reach
@@ -50,7 +51,7 @@ from verl_core.data import tokenize_prompts
 from verl_core.engine import Engine, LossOutput, TrainingError, TrainResult, micro_batch_indices
 from verl_core.logprobs import entropy_from_logits, selected_logprobs
 from verl_core.losses.masked import masked_mean
-from verl_core.losses.policy import AdaptiveKLController, FixedKLController, aggregate, kl_penalty, ppo_policy_loss
+from verl_core.losses.policy import POLICY_LOSSES, AdaptiveKLController, FixedKLController, aggregate, kl_penalty
 from verl_core.models import save_pretrained_atomic
 from verl_core.policies import LLMPolicy
 from verl_core.precision import AUTOCAST_DTYPES, allow_precision_change
@@ -350,11 +351,11 @@ class OnlineTrainer:
         mask = mb["response_mask"]
         logp = selected_logprobs(logits, mb["response_ids"])
         old = mb["old_logp"] if "old_logp" in mb else logp.detach()
-        high = c.clip_range_high if c.clip_range_high is not None else c.clip_range
-        pl = ppo_policy_loss(old, logp, mb["advantages"], mask, c.clip_range, high, c.dual_clip, c.loss_agg)
+        pl = POLICY_LOSSES[c.policy_loss](old, logp, mb["advantages"], mask, **c.policy_loss_kwargs())
         total = pl.loss
+        norm = c.aggregation_norm
         with torch.set_grad_enabled(c.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = aggregate(entropy_from_logits(logits), mask, c.loss_agg)
+            entropy = aggregate(entropy_from_logits(logits), mask, c.loss_agg, norm)
         if c.entropy_coef > 0:
             total = total - c.entropy_coef * entropy
         ratio_dev = torch.where(mask.bool(), (logp.detach() - old).exp() - 1, 0.0).abs()
@@ -367,12 +368,14 @@ class OnlineTrainer:
             "policy/ratio_dev_max": ratio_dev.max().item(),
         }
         if "ref_logp" in mb and c.kl_in == "loss":
-            kl = aggregate(kl_penalty(logp, mb["ref_logp"], c.kl_estimator), mask, c.loss_agg)
+            kl = aggregate(kl_penalty(logp, mb["ref_logp"], c.kl_estimator), mask, c.loss_agg, norm)
             total = total + self.kl_ctl.value * kl
             metrics["policy/kl_loss"] = kl.item()
         extra, extra_metrics = self.extra_loss(values, mb)
         total = total + extra
         metrics.update(extra_metrics)
+        # the engine divides the summed loss by the global count: tokens for token-mean, sequences with a
+        # token for every seq-mean-* aggregation (seq-mean-token-sum-norm's constant is inside the mean)
         units = mask.sum() if c.loss_agg == "token-mean" else (mask.sum(-1) > 0).sum()
         return LossOutput(loss_sum=total * units, count=units.item(), metrics=metrics)
 

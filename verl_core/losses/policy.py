@@ -260,6 +260,7 @@ def ppo_value_loss(
     response_mask: Tensor,
     clip_range: float | None = 0.2,
     agg: str = "token-mean",
+    norm_constant: float | None = None,
 ) -> ValueLossOutput:
     """Clipped value loss of PPO (as in the PPO2 baselines code, Schulman et al. 2017).
 
@@ -269,6 +270,7 @@ def ppo_value_loss(
 
     ``clip_range=None`` gives the plain ``0.5 * (V - R)^2``. ``clip_fraction`` is the fraction
     of valid tokens on which the clipped term was strictly larger (the active one).
+    ``norm_constant`` is passed to :func:`aggregate` (``"seq-mean-token-sum-norm"`` only).
     """
     mask = response_mask.bool()
     loss_unclipped = (values - returns) ** 2
@@ -280,7 +282,7 @@ def ppo_value_loss(
         loss_clipped = (values_clipped - returns) ** 2
         loss_mat = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
         clip_active = loss_clipped > loss_unclipped
-    loss = aggregate(loss_mat, mask, agg)
+    loss = aggregate(loss_mat, mask, agg, norm_constant)
     with torch.no_grad():
         clip_fraction = masked_mean(clip_active.to(loss_mat.dtype), mask)
     return ValueLossOutput(loss, clip_fraction)

@@ -1,4 +1,4 @@
-"""Critic-free policy optimisation with group sampling: GRPO, RLOO and REINFORCE++.
+"""Critic-free policy optimisation with group sampling: GRPO, RLOO, REINFORCE++ (and DAPO, :mod:`.dapo`).
 
 Each prompt gets ``num_generations`` completions; the baseline comes from the other samples
 instead of a learned value function. ``advantage_estimator`` names a group estimator of
@@ -16,7 +16,9 @@ instead of a learned value function. ``advantage_estimator`` names a group estim
 
 For the sequence-level estimators with ``kl_in="reward"`` the sequence score is ``s_i - beta * sum_t kl_t``.
 The update is the policy loss of :class:`~verl_core.algorithms.online.OnlineTrainer`
-(``policy_loss``, ``loss_agg``).
+(``policy_loss``, ``loss_agg``). DAPO's two sampling-side techniques are options here:
+``dynamic_sampling`` (:func:`~verl_core.algorithms.sampling.dynamic_collect`) and overlong reward
+shaping ``overlong_buffer`` (:func:`~verl_core.algorithms.sampling.overlong_penalty`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pydantic import Field, model_validator
 
 from verl_core.algorithms.base import PackingSettings
 from verl_core.algorithms.online import KLKind, OnlineConfig, OnlineTrainer
+from verl_core.algorithms.sampling import dynamic_collect, overlong_penalty
 from verl_core.forward import attn_implementation
 from verl_core.losses.advantages import ADVANTAGE_ESTIMATORS
 from verl_core.losses.masked import masked_mean
@@ -54,6 +57,16 @@ class GRPOConfig(OnlineConfig, PackingSettings):
     kl_estimator: KLKind = "k3"
     kl_in: Literal["reward", "loss"] = "loss"
     gamma: float = Field(1.0, ge=0, le=1, description="reinforce_pp: discount of the return-to-go")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose scores are all equal, sample more prompts until the batch is full"
+    )
+    max_sampling_rounds: int = Field(
+        4, ge=0, description="dynamic sampling: most extra rounds per step; at the cap the step trains on what there is"
+    )
+    overlong_buffer: int | None = Field(
+        None, ge=1, description="DAPO overlong shaping: penalise the last N tokens before max_new_tokens (None: off)"
+    )
+    overlong_penalty: float = Field(1.0, ge=0, description="overlong shaping: the penalty at max_new_tokens")
 
     @model_validator(mode="after")
     def _groups(self):
@@ -61,6 +74,10 @@ class GRPOConfig(OnlineConfig, PackingSettings):
             raise ValueError(
                 f"{self.advantage_estimator} needs num_generations >= 2 (a group baseline), got {self.num_generations}"
             )
+        if self.dynamic_sampling and self.num_generations < 2:
+            raise ValueError("dynamic_sampling drops groups whose scores are all equal: it needs num_generations >= 2")
+        if self.overlong_buffer is not None and self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(f"overlong_buffer {self.overlong_buffer} must be <= max_new_tokens {self.max_new_tokens}")
         return self
 
 
@@ -95,6 +112,23 @@ class GRPOTrainer(OnlineTrainer):
                 model, batch, self.policy.tokenizer.pad_token_id, c.packing_row_tokens, c.prune_last_layer
             )
         return super().response_logits(model, batch)
+
+    def collect(self, step):
+        if self.config.dynamic_sampling:
+            return dynamic_collect(self, step)
+        rollout, scores, metrics = super().collect(step)
+        return rollout, *self.shape_scores(rollout, scores, metrics)
+
+    def shape_scores(self, rollout, scores, metrics):
+        """Scores with the overlong penalty added (when ``overlong_buffer`` is set); ``reward/*`` of the result."""
+        c = self.config
+        if c.overlong_buffer is not None:
+            lengths = rollout.response_lengths.to(scores.device)
+            penalty = overlong_penalty(lengths, c.max_new_tokens, c.overlong_buffer, c.overlong_penalty)
+            scores = scores + penalty.to(scores.dtype)
+            metrics["reward/overlong_penalty"] = penalty.mean().item()
+            metrics.update({"reward/mean": scores.mean().item(), "reward/std": scores.std(unbiased=False).item()})
+        return scores, metrics
 
     def compute_advantages(self, exp, scores):
         """``ADVANTAGE_ESTIMATORS[advantage_estimator]`` over the groups (rows ``i*n .. i*n+n-1`` answer

@@ -319,7 +319,19 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
     raise ValueError(f"unknown kl penalty kind {kind!r}; expected one of {list(KL_KINDS)}")
 
 
-class AdaptiveKLController:
+class _Checkpointable:
+    """The coefficient as a checkpointable state (``accelerator.register_for_checkpointing``)."""
+
+    value: float
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController(_Checkpointable):
     """Adaptive KL coefficient (Ziegler et al. 2019, arXiv:1909.08593, eq. 2).
 
     After a step that observed mean KL ``current_kl`` over ``n_steps`` samples::
@@ -343,7 +355,7 @@ class AdaptiveKLController:
         return self.value
 
 
-class FixedKLController:
+class FixedKLController(_Checkpointable):
     """Constant KL coefficient with the same interface as :class:`AdaptiveKLController`."""
 
     def __init__(self, kl_coef: float) -> None:

@@ -148,9 +148,12 @@ def test_loss_names_come_from_the_registries():
     assert "clip_low" not in GRPOConfig(policy_loss="gspo").policy_loss_kwargs()
     assert GRPOConfig(clip_range=0.1).policy_loss_kwargs()["clip_high"] == 0.1
     assert GRPOConfig(loss_agg="seq-mean-token-sum-norm", max_new_tokens=20).policy_loss_kwargs()["norm_constant"] == 20.0
+    # loss_agg None: the loss's own aggregation (GSPO's sequence mean), used for entropy, KL and units too
+    assert GRPOConfig().aggregation == "token-mean" and GRPOConfig(policy_loss="gspo").aggregation == "seq-mean-token-mean"
+    assert GRPOConfig(policy_loss="gspo", loss_agg="token-mean").policy_loss_kwargs()["agg"] == "token-mean"
 
 
-@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("agg", [*AGG_MODES, None])
 def test_loss_units_make_micro_batches_add_up_to_the_batch_loss(agg):
     """The engine sums ``loss_sum`` over micro-batches and divides by the summed ``count``: for every
     aggregation that must equal the aggregated loss of the whole batch."""
@@ -180,6 +183,6 @@ def test_loss_units_make_micro_batches_add_up_to_the_batch_loss(agg):
         )
         whole = OnlineTrainer.loss(fake, None, batch)
         parts = [OnlineTrainer.loss(fake, None, {k: x[s] for k, x in batch.items()}) for s in (slice(0, 2), slice(2, 6))]
-        assert whole.count == (mask.sum().item() if agg == "token-mean" else b - 1)
+        assert whole.count == (mask.sum().item() if fake.config.aggregation == "token-mean" else b - 1)
         combined = sum(p.loss_sum for p in parts) / sum(p.count for p in parts)
         assert torch.allclose(combined, whole.loss_sum / whole.count, atol=1e-6), (name, agg)

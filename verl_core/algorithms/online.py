@@ -11,8 +11,8 @@ One training step (the RLHF loop of Ziegler et al. 2019, arXiv:1909.08593, and O
 5. advantages (the algorithm's :meth:`OnlineTrainer.compute_advantages`: GAE, GRPO, RLOO, ...),
 6. ``ppo_epochs`` passes over shuffled mini-batches, one ``Engine.optimizer_step`` each, on the
    policy loss ``POLICY_LOSSES[policy_loss]`` (default ``"vanilla"``, the PPO clipped surrogate;
-   ``"gspo"``, ``"cispo"``) aggregated with ``loss_agg`` (+ entropy bonus, + KL when
-   ``kl_in="loss"``, + the algorithm's extra loss, e.g. the PPO value loss).
+   ``"gspo"``, ``"cispo"``) aggregated with ``loss_agg`` (default: that loss's own) (+ entropy
+   bonus, + KL when ``kl_in="loss"``, + the algorithm's extra loss, e.g. the PPO value loss).
 
 Steps 1-3 are :meth:`OnlineTrainer.collect` (GRPO's dynamic sampling repeats them).
 
@@ -352,7 +352,7 @@ class OnlineTrainer:
         total = pl.loss
         norm = c.aggregation_norm
         with torch.set_grad_enabled(c.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = aggregate(entropy_from_logits(logits), mask, c.loss_agg, norm)
+            entropy = aggregate(entropy_from_logits(logits), mask, c.aggregation, norm)
         if c.entropy_coef > 0:
             total = total - c.entropy_coef * entropy
         ratio_dev = torch.where(mask.bool(), (logp.detach() - old).exp() - 1, 0.0).abs()
@@ -365,7 +365,7 @@ class OnlineTrainer:
             "policy/ratio_dev_max": ratio_dev.max().item(),
         }
         if "ref_logp" in mb and c.kl_in == "loss":
-            kl = aggregate(kl_penalty(logp, mb["ref_logp"], c.kl_estimator), mask, c.loss_agg, norm)
+            kl = aggregate(kl_penalty(logp, mb["ref_logp"], c.kl_estimator), mask, c.aggregation, norm)
             total = total + self.kl_ctl.value * kl
             metrics["policy/kl_loss"] = kl.item()
         extra, extra_metrics = self.extra_loss(values, mb)
@@ -373,7 +373,7 @@ class OnlineTrainer:
         metrics.update(extra_metrics)
         # the engine divides the summed loss by the global count: tokens for token-mean, sequences with a
         # token for every seq-mean-* aggregation (seq-mean-token-sum-norm's constant is inside the mean)
-        units = mask.sum() if c.loss_agg == "token-mean" else (mask.sum(-1) > 0).sum()
+        units = mask.sum() if c.aggregation == "token-mean" else (mask.sum(-1) > 0).sum()
         return LossOutput(loss_sum=total * units, count=units.item(), metrics=metrics)
 
 

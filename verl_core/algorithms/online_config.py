@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Literal
 
@@ -48,7 +49,11 @@ class OnlineConfig(TrainConfig, RewardSourceConfig):
         "(vanilla 0.2, gspo 4e-4, cispo 0.28)",
     )
     dual_clip: float | None = Field(None, gt=1, description="dual clip (vanilla and gspo; cispo has none)")
-    loss_agg: LossAgg = Field("token-mean", description=f"aggregation of the token losses: {' | '.join(AGG_MODES)}")
+    loss_agg: LossAgg | None = Field(
+        None,
+        description=f"aggregation of the token losses: {' | '.join(AGG_MODES)}; None: the policy loss's default "
+        "(vanilla and cispo token-mean, gspo seq-mean-token-mean)",
+    )
     loss_agg_norm: float | None = Field(
         None, gt=0, description="seq-mean-token-sum-norm: the constant divisor (default max_new_tokens)"
     )
@@ -76,7 +81,7 @@ class OnlineConfig(TrainConfig, RewardSourceConfig):
 
     def policy_loss_kwargs(self) -> dict[str, float | str | None]:
         """Keywords of ``POLICY_LOSSES[policy_loss]`` (clip bounds left out fall back to that loss's defaults)."""
-        kwargs: dict[str, float | str | None] = {"agg": self.loss_agg, "dual_clip": self.dual_clip}
+        kwargs: dict[str, float | str | None] = {"agg": self.aggregation, "dual_clip": self.dual_clip}
         kwargs["norm_constant"] = self.aggregation_norm
         if self.clip_range is not None:
             kwargs["clip_low"] = self.clip_range
@@ -84,6 +89,13 @@ class OnlineConfig(TrainConfig, RewardSourceConfig):
         if high is not None:
             kwargs["clip_high"] = high
         return kwargs
+
+    @property
+    def aggregation(self) -> str:
+        """``loss_agg``, or the selected policy loss's default aggregation when it is None."""
+        if self.loss_agg is not None:
+            return self.loss_agg
+        return inspect.signature(POLICY_LOSSES[self.policy_loss]).parameters["agg"].default
 
     @property
     def aggregation_norm(self) -> float:

@@ -130,9 +130,9 @@ class PPOTrainer(OnlineTrainer):
         }
 
     def extra_loss(self, values, batch):
-        c = self.config
+        c, mask = self.config, batch["response_mask"]
         out = ppo_value_loss(
-            values, batch["values"], batch["returns"], batch["response_mask"], c.value_clip_range, c.loss_agg, c.aggregation_norm
+            values, batch["values"], batch["returns"], mask, c.value_clip_range, c.aggregation, c.aggregation_norm
         )
         return c.vf_coef * out.loss, {"value/loss": out.loss.item(), "value/clip_fraction": out.clip_fraction.item()}
 

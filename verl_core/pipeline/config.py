@@ -86,6 +86,8 @@ RECIPE: dict[str, dict[str, Any]] = {
     "grpo": _GROUPS,
     "rloo": _GROUPS,
     "reinforce_pp": _GROUPS,
+    # 24 new tokens: answers take 13-17 with EOS, so the overlong penalty starts past 18
+    "dapo": dict(_GROUPS, overlong_buffer=6),
 }
 
 

@@ -233,6 +233,7 @@ class _CrashAfterStep2(Callback):
             raise KeyboardInterrupt
 
 
+@pytest.mark.slow
 def test_a_resumed_dapo_run_equals_an_uninterrupted_one(tiny_path, tmp_path):
     settings = dict(max_steps=3, save_steps=1, mini_batch_size=8, ppo_epochs=2)
     straight = _trainer(tiny_path, **settings).train().history

@@ -17,6 +17,8 @@ import pytest
 
 from flows.cli import launch, server_commands, stop, wait_http
 
+pytestmark = pytest.mark.slow  # real Prefect and MLflow servers, a worker and a pipeline run
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 POOL, DEPLOYMENT = "verl-core-process", "rlhf-pipeline/rlhf-default"

@@ -1,0 +1,218 @@
+"""Run a training stage where its launcher says: in this process, as a ``torchrun`` job, or on Ray.
+
+:func:`run_stage_launched` is what the Prefect task calls instead of
+:func:`~verl_core.pipeline.runner.run_stage`. For ``torchrun`` and ``ray`` it writes a request
+file into the stage folder (``.launch/request.json``), starts the job as a subprocess whose
+ranks run :mod:`verl_core.pipeline.worker`, hands every line the job prints to ``log_line`` (the
+Prefect task's logger), and reads back the record rank 0 wrote. When any rank fails, it raises
+:class:`DistributedStageError` with the failing rank's error and leaves no record (the stage's
+checkpoints stay, so the next attempt resumes from the last one).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from verl_core.callbacks import Callback
+from verl_core.config import ConfigError
+from verl_core.pipeline.config import PipelineConfig
+from verl_core.pipeline.keys import stage_dir, stage_key
+from verl_core.pipeline.launcher_config import TRAINING_STEPS, LauncherConfig, launcher_for
+from verl_core.pipeline.records import HISTORY_FILE, RECORD_FILE, StageOutput, StageRecord, StageResult
+from verl_core.pipeline.runner import run_stage
+from verl_core.pipeline.worker import ERROR_FILE
+
+log = logging.getLogger("verl_core.launch")
+LAUNCH_DIR = ".launch"
+REQUEST_FILE = "request.json"
+LogLine = Callable[[str], None]
+
+
+class DistributedStageError(RuntimeError):
+    """A rank of a distributed stage failed; the message is that rank's error."""
+
+
+def run_stage_launched(
+    config: PipelineConfig,
+    name: str,
+    inputs: dict[str, StageRecord | None],
+    callbacks: Sequence[Callback] = (),
+    run_id: str | None = None,
+    log_line: LogLine | None = None,
+) -> StageResult:
+    """:func:`run_stage` under the step's launcher (``local``: in this process, with ``callbacks``).
+
+    Distributed, rank 0 reports to the MLflow run ``run_id`` itself; ``callbacks`` (in-process
+    objects) cannot follow the job and are not called.
+    """
+    launcher = launcher_for(config, name)
+    if launcher.kind == "local" or name not in TRAINING_STEPS:
+        return run_stage(config, name, inputs, callbacks=callbacks, run_id=run_id)
+    key = stage_key(config, name, inputs)
+    out_dir = stage_dir(config, name, key)
+    record_file = out_dir / RECORD_FILE
+    if record_file.is_file():  # complete output already there: run_stage reuses it without training
+        return run_stage(config, name, inputs, callbacks=callbacks, run_id=run_id)
+    check_launchable(launcher)
+    launch_dir = out_dir / LAUNCH_DIR
+    launch_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*launch_dir.glob("rank-*"), *launch_dir.glob(".tmp-*")]:
+        stale.unlink()
+    request = launch_dir / REQUEST_FILE
+    payload = {
+        "config": config.model_dump(mode="json"),
+        "stage": name,
+        "inputs": {k: (v.model_dump(mode="json") if v is not None else None) for k, v in inputs.items()},
+        "run_id": run_id,
+        "threads": launcher.threads_per_process,
+    }
+    request.write_text(json.dumps(payload))
+    command = torchrun_command(launcher, request) if launcher.kind == "torchrun" else ray_command(launcher, request)
+    env = rank_environment(launcher)
+    say = log_line or log.info
+    say(f"{name}: {launcher.kind} with {launcher.world_size} processes: {' '.join(command)}")
+    code, tail = stream(command, env, say, launcher.timeout_seconds)
+    if code != 0 or not record_file.is_file():
+        record_file.unlink(missing_ok=True)  # a rank failed after rank 0 wrote it: the stage is not done
+        where = f"stage {name!r} ({launcher.kind}, {launcher.world_size} processes)"
+        raise DistributedStageError(f"{where}: {failure(launch_dir, code, tail)}")
+    record = StageRecord.model_validate_json(record_file.read_text())
+    hist = out_dir / HISTORY_FILE
+    history = json.loads(hist.read_text()) if hist.is_file() else {}
+    return StageResult(record, StageOutput(Path(record.output_path), record.metrics, history))
+
+
+def torchrun_command(launcher: LauncherConfig, request: Path) -> list[str]:
+    """``python -m torch.distributed.run ... -m verl_core.pipeline.worker REQUEST``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(launcher.num_processes)]
+    if launcher.num_machines == 1 and launcher.rdzv_endpoint is None:
+        cmd += ["--standalone"]  # a free local port, no rendezvous server to set up
+    else:
+        cmd += [
+            f"--nnodes={launcher.num_machines}",
+            f"--node_rank={launcher.machine_rank}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={launcher.rdzv_endpoint}",
+        ]
+    return cmd + ["-m", "verl_core.pipeline.worker", str(request)]
+
+
+def ray_command(launcher: LauncherConfig, request: Path) -> list[str]:
+    """``python -m verl_core.pipeline.ray_job REQUEST`` (a Ray driver in its own process)."""
+    return [sys.executable, "-m", "verl_core.pipeline.ray_job", str(request)]
+
+
+def rank_environment(launcher: LauncherConfig) -> dict[str, str]:
+    """The job's environment: this one, the project importable, the launcher's threads and ``env``,
+    and the variables ``accelerate launch`` would derive from ``accelerate_config``."""
+    import verl_core
+
+    env = dict(os.environ)
+    root = str(Path(verl_core.__file__).resolve().parents[1])  # the same verl_core as this process
+    env["PYTHONPATH"] = os.pathsep.join([root, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
+    env["OMP_NUM_THREADS"] = str(launcher.threads_per_process)
+    env["TQDM_DISABLE"] = "1"  # progress bars redraw with \r: noise in a task log
+    env["PYTHONUNBUFFERED"] = "1"
+    if launcher.accelerate_config is not None:
+        from verl_core.pipeline.accelerate_env import accelerate_environment
+
+        env.update(accelerate_environment(launcher))
+    env.update(launcher.env)
+    return env
+
+
+def stream(command: list[str], env: dict[str, str], log_line: LogLine, timeout: float | None) -> tuple[int, list[str]]:
+    """Run ``command`` in its own process group, each output line to ``log_line``; (exit code, last lines).
+    The group is killed on timeout and when this process is interrupted."""
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
+    )
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    timer = threading.Timer(timeout, _kill_group, (proc,)) if timeout else None
+    if timer:
+        timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            log_line(line)
+        code = proc.wait()
+    except BaseException:
+        _kill_group(proc)
+        raise
+    finally:
+        if timer:
+            timer.cancel()
+    if timer and not timer.is_alive() and code != 0 and timeout:
+        tail.append(f"the job was killed after its timeout of {timeout} s")
+    return code, list(tail)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def failure(launch_dir: Path, code: int, tail: list[str]) -> str:
+    """The failing rank's error. A rank killed by a signal leaves no error file and is the cause
+    (the others then fail in a collective); otherwise the first error file written."""
+    killed = _killed_ranks(tail)
+    if killed:
+        r, sig = killed[0]
+        return f"rank {r} was killed by {sig}" + _other_errors(launch_dir, exclude=r)
+    errors = sorted((json.loads(p.read_text()) for p in launch_dir.glob(ERROR_FILE.format(rank="*"))), key=lambda e: e["time"])
+    if errors:
+        e = errors[0]
+        last = e["traceback"].strip().splitlines()[-6:]
+        return f"rank {e['rank']} failed: {e['type']}: {e['message']}\n" + "\n".join(last)
+    return f"the job exited with code {code} and no rank reported an error; its last lines:\n" + "\n".join(tail[-20:])
+
+
+def _killed_ranks(tail: list[str]) -> list[tuple[int, str]]:
+    """(rank, signal) of each rank torchrun's failure summary reports as killed by a signal."""
+    text = "\n".join(tail)
+    out = []
+    for block in re.finditer(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", text, re.S):
+        rank_, exitcode = int(block.group(1)), int(block.group(2))
+        if exitcode < 0:
+            try:
+                name = signal.Signals(-exitcode).name
+            except ValueError:
+                name = f"signal {-exitcode}"
+            out.append((rank_, name))
+    return out
+
+
+def _other_errors(launch_dir: Path, exclude: int) -> str:
+    lines = [
+        f"\n(then rank {e['rank']}: {e['type']}: {e['message'].splitlines()[0] if e['message'] else ''})"
+        for p in sorted(launch_dir.glob(ERROR_FILE.format(rank="*")))
+        for e in [json.loads(p.read_text())]
+        if e["rank"] != exclude
+    ]
+    return "".join(lines[:3])
+
+
+def check_launchable(launcher: LauncherConfig) -> None:
+    """Fail early, naming the setting, when a launcher cannot start here."""
+    if launcher.accelerate_config is not None and not Path(launcher.accelerate_config).is_file():
+        raise ConfigError(f"launcher.accelerate_config: file not found: {launcher.accelerate_config}")
+    if launcher.kind == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ConfigError("launcher.kind 'ray' needs Ray: pip install 'verl_core[ray]'") from None

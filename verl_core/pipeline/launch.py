@@ -123,6 +123,7 @@ def rank_environment(launcher: LauncherConfig) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = str(launcher.threads_per_process)
     env["TQDM_DISABLE"] = "1"  # progress bars redraw with \r: noise in a task log
     env["PYTHONUNBUFFERED"] = "1"
+    env["RAY_COLOR_PREFIX"] = "0"  # plain "(RayTrainWorker pid=...)" prefixes, no colour codes
     if launcher.accelerate_config is not None:
         from verl_core.pipeline.accelerate_env import accelerate_environment
 
@@ -168,43 +169,42 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def failure(launch_dir: Path, code: int, tail: list[str]) -> str:
-    """The failing rank's error. A rank killed by a signal leaves no error file and is the cause
-    (the others then fail in a collective); otherwise the first error file written."""
-    killed = _killed_ranks(tail)
+    """The failing rank's error: a rank killed by a signal other than torchrun's own SIGTERM (it
+    leaves no error file, and the others then fail in a collective), else the first error file
+    written, else what torchrun's summary says."""
+    ended = _ranks_ended_by_signal(tail)
+    errors = sorted((json.loads(p.read_text()) for p in launch_dir.glob(ERROR_FILE.format(rank="*"))), key=lambda e: e["time"])
+    killed = [(r, sig) for r, sig in ended if sig != "SIGTERM"]
     if killed:
         r, sig = killed[0]
-        return f"rank {r} was killed by {sig}" + _other_errors(launch_dir, exclude=r)
-    errors = sorted((json.loads(p.read_text()) for p in launch_dir.glob(ERROR_FILE.format(rank="*"))), key=lambda e: e["time"])
+        then = "".join(f"; then rank {e['rank']}: {e['type']}: {_first_line(e['message'])}" for e in errors if e["rank"] != r)
+        return f"rank {r} was killed by {sig}{then}"
     if errors:
         e = errors[0]
         last = e["traceback"].strip().splitlines()[-6:]
         return f"rank {e['rank']} failed: {e['type']}: {e['message']}\n" + "\n".join(last)
+    if ended:
+        return f"rank {ended[0][0]} was killed by {ended[0][1]}"
     return f"the job exited with code {code} and no rank reported an error; its last lines:\n" + "\n".join(tail[-20:])
 
 
-def _killed_ranks(tail: list[str]) -> list[tuple[int, str]]:
-    """(rank, signal) of each rank torchrun's failure summary reports as killed by a signal."""
-    text = "\n".join(tail)
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def _ranks_ended_by_signal(tail: list[str]) -> list[tuple[int, str]]:
+    """(rank, signal name) of each rank torchrun's failure summary reports as ended by a signal."""
     out = []
-    for block in re.finditer(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", text, re.S):
-        rank_, exitcode = int(block.group(1)), int(block.group(2))
-        if exitcode < 0:
+    for block in re.split(r"^\s*\[\d+\]:\s*$", "\n".join(tail), flags=re.M)[1:]:
+        rank_ = re.search(r"^\s*rank\s*:\s*(\d+)", block, re.M)
+        exitcode = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", block, re.M)
+        if rank_ and exitcode and int(exitcode.group(1)) < 0:
             try:
-                name = signal.Signals(-exitcode).name
+                name = signal.Signals(-int(exitcode.group(1))).name
             except ValueError:
-                name = f"signal {-exitcode}"
-            out.append((rank_, name))
+                name = f"signal {-int(exitcode.group(1))}"
+            out.append((int(rank_.group(1)), name))
     return out
-
-
-def _other_errors(launch_dir: Path, exclude: int) -> str:
-    lines = [
-        f"\n(then rank {e['rank']}: {e['type']}: {e['message'].splitlines()[0] if e['message'] else ''})"
-        for p in sorted(launch_dir.glob(ERROR_FILE.format(rank="*")))
-        for e in [json.loads(p.read_text())]
-        if e["rank"] != exclude
-    ]
-    return "".join(lines[:3])
 
 
 def check_launchable(launcher: LauncherConfig) -> None:

@@ -69,6 +69,15 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect API for the session (shared by every module that runs flows)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=60):
+        yield
+
+
 # Fixtures that train or start servers: a test using one is part of the slow subset.
 SLOW_FIXTURES = {"sft_path", "prefect_harness"}
 

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,9 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from verl_core.algorithms.base import FINAL_MODEL_DIR
 from verl_core.callbacks import Callback
+from verl_core.checkpoints import CHECKPOINTS_DIR
 from verl_core.config import ConfigError
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.keys import stage_dir, stage_key
@@ -83,13 +86,22 @@ def run_stage_launched(
     say(f"{name}: {launcher.kind} with {launcher.world_size} processes: {' '.join(command)}")
     code, tail = stream(command, env, say, launcher.timeout_seconds)
     if code != 0 or not record_file.is_file():
-        record_file.unlink(missing_ok=True)  # a rank failed after rank 0 wrote it: the stage is not done
+        remove_partial_output(out_dir)
         where = f"stage {name!r} ({launcher.kind}, {launcher.world_size} processes)"
         raise DistributedStageError(f"{where}: {failure(launch_dir, code, tail)}")
     record = StageRecord.model_validate_json(record_file.read_text())
     hist = out_dir / HISTORY_FILE
     history = json.loads(hist.read_text()) if hist.is_file() else {}
     return StageResult(record, StageOutput(Path(record.output_path), record.metrics, history))
+
+
+def remove_partial_output(out_dir: Path) -> None:
+    """What a killed rank can leave behind: a record written before another rank failed (the stage
+    is not done), a model or checkpoint folder still under its temporary name. Complete
+    checkpoints stay for the next attempt to resume from."""
+    (out_dir / RECORD_FILE).unlink(missing_ok=True)
+    for partial in [*out_dir.glob(f".{FINAL_MODEL_DIR}-*"), *(out_dir / CHECKPOINTS_DIR).glob(".tmp-*")]:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def torchrun_command(launcher: LauncherConfig, request: Path) -> list[str]:

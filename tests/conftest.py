@@ -74,7 +74,8 @@ def prefect_harness():
     """One temporary Prefect API for the session (shared by every module that runs flows)."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=60):
+    # 60 s timed out while other jobs kept the 2 cores busy
+    with prefect_test_harness(server_startup_timeout=180):
         yield
 
 

@@ -137,9 +137,13 @@ def rank_environment(launcher: LauncherConfig) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env["RAY_COLOR_PREFIX"] = "0"  # plain "(RayTrainWorker pid=...)" prefixes, no colour codes
     if launcher.accelerate_config is not None:
-        from verl_core.pipeline.accelerate_env import accelerate_environment
+        from verl_core.pipeline.accelerate_env import accelerate_environment, sharding_unavailable_reason
 
-        env.update(accelerate_environment(launcher))
+        derived = accelerate_environment(launcher)
+        reason = sharding_unavailable_reason(derived)
+        if reason is not None:
+            raise ConfigError(f"launcher.accelerate_config {launcher.accelerate_config}: {reason}")
+        env.update(derived)
     env.update(launcher.env)
     return env
 

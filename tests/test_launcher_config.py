@@ -156,3 +156,15 @@ def test_a_rank_that_raised_is_named_with_its_error(tmp_path):
 def test_a_job_that_fails_without_any_rank_error_shows_its_last_lines(tmp_path):
     message = failure(tmp_path, 2, ["usage: torchrun ...", "error: unrecognized arguments: --bogus"])
     assert "exited with code 2" in message and "unrecognized arguments" in message
+
+
+def test_a_job_is_streamed_line_by_line_and_killed_at_its_timeout():
+    import os
+
+    from verl_core.pipeline.launch import stream
+
+    lines: list[str] = []
+    script = "import time\nprint('first', flush=True)\ntime.sleep(30)\nprint('never')"
+    code, tail = stream([sys.executable, "-c", script], dict(os.environ), lines.append, timeout=3)
+    assert lines == ["first"] and code != 0
+    assert tail[-1].startswith("the job was killed after its timeout of 3")

@@ -89,6 +89,7 @@ def run_stage_launched(
         remove_partial_output(out_dir)
         where = f"stage {name!r} ({launcher.kind}, {launcher.world_size} processes)"
         raise DistributedStageError(f"{where}: {failure(launch_dir, code, tail)}")
+    shutil.rmtree(launch_dir, ignore_errors=True)  # kept on failure: the request and each rank's error
     record = StageRecord.model_validate_json(record_file.read_text())
     hist = out_dir / HISTORY_FILE
     history = json.loads(hist.read_text()) if hist.is_file() else {}
@@ -155,7 +156,13 @@ def stream(command: list[str], env: dict[str, str], log_line: LogLine, timeout: 
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
     )
     tail: collections.deque[str] = collections.deque(maxlen=200)
-    timer = threading.Timer(timeout, _kill_group, (proc,)) if timeout else None
+    timed_out = threading.Event()
+
+    def on_timeout() -> None:
+        timed_out.set()
+        _kill_group(proc)
+
+    timer = threading.Timer(timeout, on_timeout) if timeout else None
     if timer:
         timer.start()
     try:
@@ -171,8 +178,8 @@ def stream(command: list[str], env: dict[str, str], log_line: LogLine, timeout: 
     finally:
         if timer:
             timer.cancel()
-    if timer and not timer.is_alive() and code != 0 and timeout:
-        tail.append(f"the job was killed after its timeout of {timeout} s")
+    if timed_out.is_set():
+        tail.append(f"the job was killed after its timeout of {timeout} s (launcher.timeout_seconds)")
     return code, list(tail)
 
 

@@ -140,12 +140,13 @@ def test_torchrun_two_processes_equal_the_in_process_stage(stage, tiny_path, pai
     assert not (Path(launched.output_path).parent / "checkpoints").exists()  # cleaned as in-process
 
 
-@pytest.mark.parametrize("stage", ["sft", "dpo"])
-def test_ray_two_workers_equal_the_in_process_stage(stage, tiny_path, pairs, work):
+@pytest.mark.parametrize("stage", ["sft", "reward_model", "dpo", "grpo"])
+def test_ray_two_workers_equal_the_in_process_stage(stage, tiny_path, pairs, work, request):
     pytest.importorskip("ray", reason="Ray is the [ray] extra: pip install 'verl_core[ray]'")
+    sft = request.getfixturevalue("sft_path") if stage == "grpo" else None
     lines: list[str] = []
-    launched = launched_record(stage, "ray", tiny_path, work, pairs, None, lines)
-    assert_same_training(local_record(stage, tiny_path, work, pairs, None), launched)
+    launched = launched_record(stage, "ray", tiny_path, work, pairs, sft, lines)
+    assert_same_training(local_record(stage, tiny_path, work, pairs, sft), launched)
     assert any("RayTrainWorker" in line for line in lines)
 
 

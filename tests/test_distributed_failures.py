@@ -59,6 +59,19 @@ def kill_rank_after_first_checkpoint(stages: Path, rank: int, killed: list[int])
     return thread
 
 
+def task_log_lines(flow_run_id: str, stage: str) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler.flush()
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+        task = next(r for r in runs if r.name.startswith(stage))
+        logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[task.id])))
+    return [log.message for log in logs]
+
+
 def test_killed_rank_fails_the_task_and_the_rerun_resumes_bitwise_equal(prefect_harness, tiny_path, tmp_path):
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
@@ -101,6 +114,16 @@ def test_killed_rank_fails_the_task_and_the_rerun_resumes_bitwise_equal(prefect_
     record = resumed.records["sft"]
     assert resumed.states["sft"] == "Completed"
     assert record.extra["resumed_from_step"] == int(checkpoints[-1].name.split("-")[1]) > 0
+
+    # rank 0 reported to the stage's nested MLflow run; the job's lines are in the task's Prefect log
+    finished = [
+        r
+        for r in c.search_runs([exp.experiment_id], filter_string="tags.`verl_core.stage` = 'sft'")
+        if r.info.status == "FINISHED"
+    ]
+    assert len(finished) == 1 and c.get_metric_history(finished[0].info.run_id, "loss")
+    assert finished[0].inputs.dataset_inputs  # the training rows, logged by rank 0
+    assert any("torch.distributed.run --nproc_per_node 2" in line for line in task_log_lines(resumed.flow_run_id, "sft"))
 
     # ... and ends bitwise equal to an uninterrupted 2-process run elsewhere
     other = cfg.updated(workdir=str(tmp_path / "uninterrupted"))

@@ -62,9 +62,9 @@ def kill_rank_after_first_checkpoint(stages: Path, rank: int, killed: list[int])
 def task_log_lines(flow_run_id: str, stage: str) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
-    from prefect.logging.handlers import APILogHandler
+    from prefect.logging.handlers import APILogWorker
 
-    APILogHandler.flush()
+    APILogWorker.drain_all(timeout=30)  # logs reach the API in batches
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
         task = next(r for r in runs if r.name.startswith(stage))

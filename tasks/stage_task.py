@@ -3,8 +3,9 @@
 The decorator carries the cache policy (the step's cache key, see
 :func:`verl_core.pipeline.keys.stage_key`), result persistence and retries; :func:`task_for`
 names it after the step and applies the run's storage and retry settings. The body opens the
-step's nested MLflow run, runs :func:`~verl_core.pipeline.runner.run_stage`, logs the result and
-publishes Prefect artifacts.
+step's nested MLflow run, runs the step where its launcher says
+(:func:`~verl_core.pipeline.launch.run_stage_launched`: in this process, or as a torchrun / Ray job
+whose lines go to this task's log), logs the result and publishes Prefect artifacts.
 """
 
 from __future__ import annotations

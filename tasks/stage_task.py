@@ -3,8 +3,9 @@
 The decorator carries the cache policy (the step's cache key, see
 :func:`verl_core.pipeline.keys.stage_key`), result persistence and retries; :func:`task_for`
 names it after the step and applies the run's storage and retry settings. The body opens the
-step's nested MLflow run, runs :func:`~verl_core.pipeline.runner.run_stage`, logs the result and
-publishes Prefect artifacts.
+step's nested MLflow run, runs the step where its launcher says
+(:func:`~verl_core.pipeline.launch.run_stage_launched`: in this process, or as a torchrun / Ray job
+whose lines go to this task's log), logs the result and publishes Prefect artifacts.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from verl_core.callbacks import Callback, MLflowCallback
 from verl_core.pipeline import tracking
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.keys import stage_key
+from verl_core.pipeline.launch import run_stage_launched
 from verl_core.pipeline.records import StageRecord, StageResult
 from verl_core.pipeline.registry import variant_of
-from verl_core.pipeline.runner import run_stage
 
 Inputs = dict[str, StageRecord | None]
 
@@ -64,7 +65,9 @@ def stage_callbacks(config: PipelineConfig, stage: str, run_id: str) -> list[Cal
 
 
 def execute(stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: str | None) -> StageRecord:
-    """Run one step inside a nested MLflow run; FAILED on any exception, then re-raise."""
+    """Run one step inside a nested MLflow run, in this process or as the distributed job its
+    launcher names (that job's output lines go to this task's log); FAILED on any exception, then re-raise."""
+    from prefect import get_run_logger
     from prefect.runtime import flow_run, task_run
 
     tracking.configure(config)
@@ -81,7 +84,8 @@ def execute(stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: s
     )
     try:
         tracking.log_inputs(config, run_id, inputs)
-        result = run_stage(config, stage, inputs, callbacks=stage_callbacks(config, stage, run_id), run_id=run_id)
+        callbacks = stage_callbacks(config, stage, run_id)
+        result = run_stage_launched(config, stage, inputs, callbacks, run_id, log_line=get_run_logger().info)
         tracking.log_stage_result(config, run_id, result)
     except BaseException:
         tracking.end_run(config, run_id, "FAILED")

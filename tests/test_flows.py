@@ -51,14 +51,6 @@ def inject_fault_once(monkeypatch, stage: str) -> list[int]:
     return fired
 
 
-@pytest.fixture(scope="session")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=60):
-        yield
-
-
 def tiny_config(tmp: Path, base_model: Path, *overrides: str) -> PipelineConfig:
     return load_pipeline_config(
         ROOT / "configs" / "default.yaml",

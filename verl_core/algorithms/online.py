@@ -29,7 +29,8 @@ mini-batch) the update is on-policy and ``old = logp.detach()`` saves that pass.
 The KL to the frozen reference is estimated per token with ``kl_penalty(kind=kl_estimator)`` and
 either subtracted from the reward (``kl_in="reward"``: ``r_t -= beta * kl_t``, Ziegler et al.) or
 added to the loss (``kl_in="loss"``: ``+ beta * agg(kl_t)``, GRPO, Shao et al. 2024). With
-several processes each process samples, scores and whitens its own share of the batch.
+several processes each samples and scores its share of the prompts, then advantages, statistics
+and mini-batches are those of the global batch (:mod:`verl_core.algorithms.online_batch`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import torch
 
 from verl_core import arithmetic
 from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
+from verl_core.algorithms.online_batch import gather_experience, gather_rows, mean_over_ranks, minibatch_share, prompt_seeds
 from verl_core.algorithms.online_config import KLKind, OnlineConfig  # noqa: F401  (KLKind: part of this module's API)
 from verl_core.algorithms.sampling import step_prompt_indices
 from verl_core.algorithms.speed import describe, resolve_speed
@@ -221,9 +223,14 @@ class OnlineTrainer:
         c, engine = self.config, self.engine
         acc = engine.accelerator
         rollout, scores, metrics = self.collect(step)
-        exp = self.make_experience(rollout)
+        # from here on the global batch (every process's rows, in prompt order; identity alone)
+        exp = gather_experience(self.make_experience(rollout), acc, self.policy.tokenizer.pad_token_id)
+        scores, finished = gather_rows(scores.to(acc.device), acc), gather_rows(rollout.finished.to(acc.device), acc)
+        if acc.num_processes > 1:
+            metrics = mean_over_ranks(metrics, acc)
+            metrics["reward/std"] = scores.std(unbiased=False).item()
         metrics.update(self.kl_metrics(exp))
-        metrics.update(self.compute_advantages(exp, scores.to(acc.device)))
+        metrics.update(self.compute_advantages(exp, scores))
         exp.pop("kl", None)
         t1 = time.perf_counter()
         updates = self.update(exp, step)
@@ -231,13 +238,13 @@ class OnlineTrainer:
         if c.adaptive_kl and "kl" in metrics:
             self.kl_ctl.update(metrics["kl"], c.batch_size)
         self.backend.sync_weights(self.policy_lm(engine.unwrapped))
-        lengths = rollout.response_lengths.float()
+        lengths = exp["response_mask"].sum(-1).float()
         metrics.update({k: sum(u[k] for u in updates) / len(updates) for k in updates[0]})
         metrics.update(
             {
                 "response_length/mean": lengths.mean().item(),
                 "response_length/max": lengths.max().item(),
-                "response/eos_fraction": rollout.finished.float().mean().item(),
+                "response/eos_fraction": finished.float().mean().item(),
                 "kl_coef": self.kl_ctl.value,
                 "perf/train_seconds": train_seconds,
                 "perf/train_tokens_per_s": c.ppo_epochs * exp["attention_mask"].sum().item() / max(train_seconds, 1e-9),
@@ -251,7 +258,10 @@ class OnlineTrainer:
         idx = step_prompt_indices(len(self.prompts), step, self.config, acc.process_index, acc.num_processes)
         examples = [self.prompts[i] for i in idx]
         t0 = time.perf_counter()
-        rollout = self.backend.generate([e["prompt_ids"] for e in examples], self.sampling, seed=self.rollout_seed(step))
+        seed: int | list[int] = self.rollout_seed(step)
+        if self.config.seed_per_prompt:  # samples that do not depend on how prompts are split over processes
+            seed = prompt_seeds(self.config.seed, step, acc.process_index * len(examples), len(examples))
+        rollout = self.backend.generate([e["prompt_ids"] for e in examples], self.sampling, seed=seed)
         seconds = time.perf_counter() - t0
         scores, metrics = self.score(rollout, examples)
         metrics["perf/gen_seconds"] = seconds
@@ -326,16 +336,16 @@ class OnlineTrainer:
         return {"kl": exp["kl"].sum(-1).mean().item(), "kl/token_mean": masked_mean(exp["kl"], mask).item()}
 
     def update(self, exp: dict[str, torch.Tensor], step: int) -> list[dict[str, float]]:
-        """``ppo_epochs`` seeded passes over shuffled mini-batches; the metrics of each optimizer step."""
+        """``ppo_epochs`` seeded passes over shuffled mini-batches of the global batch ``exp`` (this
+        process takes its share of each); the metrics of each optimizer step."""
         c, acc = self.config, self.engine.accelerator
         n = exp["input_ids"].shape[0]
-        local = self.mini_batch_size // acc.num_processes
         gen = torch.Generator().manual_seed(c.seed * 1_000_003 + step)
         out = []
         for _ in range(c.ppo_epochs):
             order = torch.randperm(n, generator=gen).to(exp["input_ids"].device)
-            for k in range(n // local):
-                rows = order[k * local : (k + 1) * local]
+            for k in range(n // self.mini_batch_size):
+                rows = minibatch_share(order, k, self.mini_batch_size, acc)
                 micro = [{key: v[i] for key, v in exp.items()} for i in rows.chunk(c.gradient_accumulation_steps)]
                 out.append(self.engine.optimizer_step(micro, self.loss))
         return out

@@ -66,6 +66,9 @@ class OnlineConfig(TrainConfig, RewardSourceConfig):
     kl_horizon: int = Field(10000, ge=1)
     missing_eos_penalty: float | None = Field(None, description="subtracted from the score of completions cut by max_new_tokens")
     eval_reward: str = "exact_match"
+    seed_per_prompt: bool = Field(
+        False, description="sample each prompt from its own seeded stream: samples independent of the number of processes"
+    )
 
     @model_validator(mode="after")
     def _online_shape(self):

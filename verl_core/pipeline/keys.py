@@ -20,8 +20,9 @@ from verl_core.pipeline.config import DataSource, PipelineConfig
 from verl_core.pipeline.records import StageRecord
 from verl_core.pipeline.registry import STEPS, stage_for, variant_of
 
-# Fields that change how a run looks, not what it computes: kept out of cache keys.
-VOLATILE_FIELDS = {"progress", "output_dir", "resume", "model_path", "path", "enabled"}
+# Fields that change how a run looks, not what it computes: kept out of cache keys (batch sizes
+# are global, so the launcher changes where a stage trains, not its result).
+VOLATILE_FIELDS = {"progress", "output_dir", "resume", "model_path", "path", "enabled", "launcher"}
 
 
 def rows_fingerprint(rows: list[dict] | None) -> str | None:

@@ -24,11 +24,14 @@ def run_stage(
     inputs: dict[str, StageRecord | None],
     callbacks: Sequence[Callback] = (),
     run_id: str | None = None,
+    write_record: bool = True,
 ) -> StageResult:
     """Run step ``name`` into its deterministic folder and return its record.
 
     A folder that already holds a complete record with the same key is reused as is; the record
     is written last (atomically), so a folder without one is an unfinished run to resume.
+    ``write_record=False``: a distributed worker's other ranks, which train but leave the
+    fingerprint and the record to rank 0.
     """
     stage = stage_for(config, name)
     for needed in stage.input_names(config):
@@ -48,6 +51,8 @@ def run_stage(
         config, name, variant_of(config, name), {k: v for k, v in inputs.items() if v is not None}, out_dir, list(callbacks)
     )
     output = stage.fn(ctx)
+    if not write_record:
+        return StageResult(StageRecord(stage=name, output_path=str(output.output_path), fingerprint=""), output)
     metrics = {k: float(v) for k, v in output.metrics.items() if isinstance(v, (int, float))}
     record = StageRecord(
         stage=name,

@@ -41,15 +41,22 @@ def main(argv: list[str] | None = None) -> int:
     sft = StageRecord(stage="sft", output_path=str(base), fingerprint=fingerprint_path(base), given=True)
     table = []
     for name in args.algorithms.split(","):
-        overrides = [f"workdir={out / 'work'}", f"policy_optimisation.algorithm={name}", f"policy_optimisation.{name}.seed={args.seed}",
-                     f"policy_optimisation.{name}.mixed_precision=no", f"policy_optimisation.{name}.progress=false", *args.set]
+        overrides = [
+            f"workdir={out / 'work'}",
+            f"policy_optimisation.algorithm={name}",
+            f"policy_optimisation.{name}.seed={args.seed}",
+            f"policy_optimisation.{name}.mixed_precision=no",
+            f"policy_optimisation.{name}.progress=false",
+            *args.set,
+        ]
         cfg = load_pipeline_config(None, overrides)
         start = time.monotonic()
         pairs = run_stage(cfg, "preference_data", {}).record if name == "dpo" else None
         rec = run_all_rounds(cfg, "policy_optimisation", {"sft": sft, "preference_data": pairs}).record
         after = score_policy(rec.output_path, rows, "exact_match", 32, None)["accuracy"]
-        table.append({"algorithm": name, "before": before, "after": after, "gain": after - before,
-                      "seconds": time.monotonic() - start})
+        table.append(
+            {"algorithm": name, "before": before, "after": after, "gain": after - before, "seconds": time.monotonic() - start}
+        )
         print(f"{name}: {before:.3f} -> {after:.3f} ({time.monotonic() - start:.0f} s)", flush=True)
     print(f"\nheld-out exact match on {len(rows)} problems, from the SFT policy {base} (seed {args.seed}, fp32):")
     print("| algorithm | before | after | gain | wall s |\n|---|---:|---:|---:|---:|")

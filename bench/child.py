@@ -1,6 +1,8 @@
 """One measured run in its own process: ``python bench/child.py IMPL ALGO SPEC_JSON RESULT_JSON``.
 
-IMPL is ``ours``, ``trl`` or ``peak`` (the matmul peak; ALGO is then ignored). The record
+IMPL is ``ours``, ``trl`` or ``peak`` (the matmul peak; ALGO is then ignored), or a side of the
+realistic bench (``real-ours``, ``real-trl``, ``real-trl-best``: ``bench/realistic_sides.py``,
+SPEC_JSON a ``realistic_models.RealSpec``). The record
 written to RESULT_JSON holds the step clock, max RSS of this process, the RSS before training
 and, on GPU, the peak CUDA memory. A failure is recorded as ``{"error": ...}`` (exit code 1).
 """
@@ -15,10 +17,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
 
+REALISTIC = {"real-ours": "run_ours", "real-trl": "run_trl", "real-trl-best": "run_trl"}  # impl -> realistic_sides function
+
 
 def main(argv: list[str]) -> int:
     impl, algo, spec_path, result_path = argv
-    spec = harness.BenchSpec.from_json(Path(spec_path).read_text())
+    if impl.startswith("real-"):
+        from realistic_models import RealSpec as spec_cls
+    else:
+        spec_cls = harness.BenchSpec
+    spec = spec_cls.from_json(Path(spec_path).read_text())
     started = time.perf_counter()
     try:
         harness.prepare_torch(spec)
@@ -42,13 +50,17 @@ def main(argv: list[str]) -> int:
             torch.cuda.reset_peak_memory_stats()
         clock = harness.StepClock(device)
         if impl == "ours":
-            import ours as side
+            from ours import run
         elif impl == "trl":
-            import trl_side as side
+            from trl_side import run
+        elif impl in REALISTIC:
+            import realistic_sides
+
+            run = getattr(realistic_sides, REALISTIC[impl])
         else:
             raise ValueError(f"unknown implementation {impl!r}")
         rss_imports = harness.current_rss_mb()
-        info = _run(side, algo, spec, clock)
+        info = _run(run, algo, spec, clock)
         record = {
             "impl": impl, "algo": algo, "device": device,
             "timed_seconds": clock.timed_seconds(spec.warmup_steps, spec.steps),
@@ -70,8 +82,8 @@ def main(argv: list[str]) -> int:
         return 1
 
 
-def _run(side, algo, spec, clock):
-    """Run the side; the RSS just before its first step is taken at ``setup_done``."""
+def _run(run, algo, spec, clock):
+    """Run the side (``run(algo, spec, clock)``); the RSS just before its first step is taken at ``setup_done``."""
     rss = {}
     mark = clock.mark
 
@@ -81,7 +93,7 @@ def _run(side, algo, spec, clock):
         mark(name)
 
     clock.mark = marking
-    info = side.run(algo, spec, clock)
+    info = run(algo, spec, clock)
     info["rss_before_mb"] = rss.get("before")
     return info
 

@@ -97,7 +97,7 @@ class BenchSpec:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "BenchSpec":
+    def from_json(cls, text: str) -> BenchSpec:
         return cls(**json.loads(text))
 
 

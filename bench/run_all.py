@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
 from harness import ALGOS, BenchSpec  # noqa: E402
+from threads import resolve_threads  # noqa: E402
 
 SMALL_MODEL = {"hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
                "num_key_value_heads": 2}
@@ -53,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-fp32-attention", action="store_true", help="keep SDPA in bf16 under CPU autocast")
     ap.add_argument("--no-precompute", action="store_true", help="our DPO/KTO score the reference every step")
     ap.add_argument("--trl-precompute", action="store_true", help="TRL DPO/KTO with precompute_ref_log_probs=True")
-    ap.add_argument("--threads", type=int, help="torch threads per run (default torch's; 1 is steadier on a busy machine)")
+    ap.add_argument("--threads", help="torch threads per run: a number, or 'auto' (1 when other processes keep the "
+                                      "CPU busy; bench/threads.py); default torch's (1 is steadier on a busy machine)")
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                     help="cpu: time runs by process CPU time (a busy machine; use with --threads 1)")
     ap.add_argument("--cache-dir", default=os.environ.get("VERL_CORE_CACHE", ""))
@@ -66,7 +68,7 @@ def spec_from(args: argparse.Namespace) -> BenchSpec:
     spec = BenchSpec(device=args.device, dtype=args.dtype, cache_dir=args.cache_dir, packing=not args.no_packing,
                      share_prompt=not args.no_share_prompt, precompute_ref=not args.no_precompute,
                      prune_last_layer=not args.no_prune_last_layer,
-                     trl_precompute_ref=args.trl_precompute, threads=args.threads,
+                     trl_precompute_ref=args.trl_precompute, threads=resolve_threads(args.threads, args.device),
                      clock=args.clock)
     if args.quick:
         spec = dataclasses.replace(spec, rows=64, warmup_steps=1, steps=2)
@@ -139,7 +141,7 @@ def _cpu_name() -> str:
 
 def _load() -> str:
     try:
-        return "{:.1f}".format(os.getloadavg()[0])
+        return f"{os.getloadavg()[0]:.1f}"
     except OSError:
         return "?"
 

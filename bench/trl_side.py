@@ -33,10 +33,9 @@ def _args(spec: BenchSpec, out: str) -> dict[str, Any]:
 
 
 def run(algo: str, spec: BenchSpec, clock: StepClock) -> dict[str, Any]:
+    import trl
     from datasets import Dataset
     from transformers import AutoTokenizer
-
-    import trl
 
     path = str(model_path(spec))
     tok = AutoTokenizer.from_pretrained(path)

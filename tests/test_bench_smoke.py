@@ -118,10 +118,13 @@ def test_realistic_table_ratios_and_targets():
     }
     results["dpo"]["real-trl-best"] = _real(4.0, 2400, precompute_s=1.0)
     results["kto"]["real-ours"] = {"error": "boom"}
+    results["rm"]["real-trl-best"] = _real(24.0, 2400)  # slower than TRL's defaults: "best" is then the defaults run
     tokens = {a: {"tokens_per_unit": 100.0, "max_tokens": 300} for a in harness.ALGOS}
     table, verdicts = realistic.build_table(spec, list(harness.ALGOS), results, tokens, "cpu", {"torch": "x"}, realistic.SIDES)
-    assert "| sft | examples/s | 6.0 | 2.0 | 4.0 | 3.00× | 1.50× | 1,000 | 2,500 | 2,400 | 0.40× |" in table
-    assert "| grpo | samples/s | 12.0 | 4.0 | 8.0 | 3.00× |" in table
+    assert "| sft | examples/s | 6.00 | 2.00 | 4.00 | 3.00× | 1.50× | 1,000 | 2,500 | 2,400 | 0.40× |" in table
+    assert "| grpo | samples/s | 12.00 | 4.00 | 8.00 | 3.00× |" in table
+    assert "| rm | pairs/s | 6.00 | 2.00 | 2.00 | 3.00× | 3.00× | 1,000 | 2,500 | 2,500 |" in table
+    assert "rm: TRL's best-settings run was slower than its defaults" in table
     status = {(t.algo, t.metric, t.baseline): s for t, s, _ in verdicts}
     assert status[("sft", "throughput", "real-trl")] == "PASS" and status[("sft", "throughput", "real-trl-best")] == "PASS"
     assert status[("dpo", "throughput", "real-trl-best")] == "MISS"  # 1.00× < 1.3×

@@ -37,7 +37,9 @@ class FaultAfterFirstCheckpoint(Callback):
 
 def inject_fault_once(monkeypatch, stage: str, round: int | None = None) -> list[int]:
     """The step's training (round ``round`` of it) raises once, right after its first checkpoint (the "kill")."""
-    import tasks.stage_task as stage_task
+    import importlib
+
+    stage_task = importlib.import_module("tasks.stage_task")  # the module, not the task it exports
 
     fired: list[int] = []
     real = stage_task.stage_callbacks

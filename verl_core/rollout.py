@@ -26,7 +26,7 @@ under our control. A vLLM or SGLang backend implements :class:`RolloutBackend` i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -85,6 +85,30 @@ class RolloutBatch:
 
     def to(self, device) -> RolloutBatch:
         return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def select_groups(self, groups: Sequence[int]) -> RolloutBatch:
+        """The rows answering ``groups`` (prompt indices), in that order and renumbered ``0..len(groups)-1``,
+        without the padding columns no remaining row needs (all groups in order: the same batch)."""
+        members: dict[int, list[int]] = {}
+        for row, g in enumerate(self.group_index.tolist()):
+            members.setdefault(g, []).append(row)
+        if not groups or any(g not in members for g in groups):
+            raise ValueError(f"select_groups needs groups of this batch (0..{len(members) - 1}), got {list(groups)}")
+        rows = [r for g in groups for r in members[g]]
+        new_index = [k for k, g in enumerate(groups) for _ in members[g]]
+        pick = torch.tensor(rows, dtype=torch.long, device=self.response_ids.device)
+        p_len = int(self.prompt_mask[pick].sum(-1).max())
+        r_len = max(1, int(self.response_mask[pick].sum(-1).max()))
+        p0 = self.prompt_ids.shape[1] - p_len
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids[pick, p0:],
+            prompt_mask=self.prompt_mask[pick, p0:],
+            response_ids=self.response_ids[pick, :r_len],
+            response_mask=self.response_mask[pick, :r_len],
+            logprobs=self.logprobs[pick, :r_len],
+            group_index=torch.tensor(new_index, dtype=torch.long, device=self.group_index.device),
+            finished=self.finished[pick],
+        )
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -269,6 +293,19 @@ def _concat(chunks: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         finished=torch.cat([c.finished for c in chunks]),
     )
     return out
+
+
+def concat_rollouts(batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """One batch of several (prompts left-padded, responses right-padded to the widest); the group
+    indices of each batch are shifted past those of the batches before it."""
+    if not batches:
+        raise ValueError("concat_rollouts needs at least one batch")
+    offsets, total = [], 0
+    for b in batches:
+        offsets.append(total)
+        total += int(b.group_index.max()) + 1 if len(b) else 0
+    shifted = torch.cat([b.group_index + off for b, off in zip(batches, offsets)])
+    return replace(_concat(list(batches), pad_id), group_index=shifted)
 
 
 def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:

@@ -10,8 +10,11 @@ One training step (the RLHF loop of Ziegler et al. 2019, arXiv:1909.08593, and O
 4. without gradients: old log-probs, reference log-probs (only when a KL term is on), values,
 5. advantages (the algorithm's :meth:`OnlineTrainer.compute_advantages`: GAE, GRPO, RLOO, ...),
 6. ``ppo_epochs`` passes over shuffled mini-batches, one ``Engine.optimizer_step`` each, on the
-   clipped surrogate ``ppo_policy_loss`` (+ entropy bonus, + KL when ``kl_in="loss"``, + the
-   algorithm's extra loss, e.g. the PPO value loss).
+   policy loss ``POLICY_LOSSES[policy_loss]`` (default ``"vanilla"``, the PPO clipped surrogate;
+   ``"gspo"``, ``"cispo"``) aggregated with ``loss_agg`` (default: that loss's own) (+ entropy
+   bonus, + KL when ``kl_in="loss"``, + the algorithm's extra loss, e.g. the PPO value loss).
+
+Steps 1-3 are :meth:`OnlineTrainer.collect` (GRPO's dynamic sampling repeats them).
 
 :meth:`OnlineTrainer.train_step` is that step; :meth:`Engine.run` loops over it (resume, logging,
 eval and checkpoint cadences in rollout steps, callbacks). Each update's own metrics reach
@@ -43,14 +46,15 @@ import torch
 from verl_core import arithmetic
 from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
 from verl_core.algorithms.online_config import KLKind, OnlineConfig  # noqa: F401  (KLKind: part of this module's API)
+from verl_core.algorithms.sampling import step_prompt_indices
 from verl_core.algorithms.speed import describe, resolve_speed
 from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.data import tokenize_prompts
-from verl_core.engine import Engine, LossOutput, TrainingError, TrainResult, micro_batch_indices
+from verl_core.engine import Engine, LossOutput, TrainingError, TrainResult
 from verl_core.logprobs import entropy_from_logits, selected_logprobs
 from verl_core.losses.masked import masked_mean
-from verl_core.losses.policy import AdaptiveKLController, FixedKLController, aggregate, kl_penalty, ppo_policy_loss
+from verl_core.losses.policy import POLICY_LOSSES, AdaptiveKLController, FixedKLController, aggregate, kl_penalty
 from verl_core.models import save_pretrained_atomic
 from verl_core.policies import LLMPolicy
 from verl_core.precision import AUTOCAST_DTYPES, allow_precision_change
@@ -58,19 +62,6 @@ from verl_core.rewards.model import RewardModel, RewardSource, UserRewards
 from verl_core.rollout import HFRolloutBackend, RolloutBackend, RolloutBatch, SamplingParams, decode_responses
 
 log = logging.getLogger("verl_core")
-
-
-class _KLState:
-    """Checkpointable wrapper of the KL controller's coefficient."""
-
-    def __init__(self, controller):
-        self.controller = controller
-
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.controller.value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.controller.value = float(state["value"])
 
 
 class OnlineTrainer:
@@ -193,7 +184,7 @@ class OnlineTrainer:
                 f"prompts per step ({c.batch_size // c.num_generations}) must split over {acc.num_processes} processes and "
                 f"mini_batch_size ({self.mini_batch_size}) over processes × gradient_accumulation_steps"
             )
-        acc.register_for_checkpointing(_KLState(self.kl_ctl))
+        acc.register_for_checkpointing(self.kl_ctl)
         if self.reference is not None:
             self.reference.to(acc.device)
         if self.rewards.reward_model is not None:
@@ -229,16 +220,7 @@ class OnlineTrainer:
         """One rollout step: sample, score, advantages, ``ppo_epochs`` passes of updates."""
         c, engine = self.config, self.engine
         acc = engine.accelerator
-        idx = micro_batch_indices(
-            len(self.prompts), step, c.batch_size // c.num_generations, c.seed, acc.process_index, acc.num_processes, 1
-        )[0]
-        examples = [self.prompts[i] for i in idx]
-        t0 = time.perf_counter()
-        rollout = self.backend.generate(
-            [e["prompt_ids"] for e in examples], self.sampling, seed=(c.seed * 1_000_003 + step) * 1_009 + acc.process_index
-        )
-        gen_seconds = time.perf_counter() - t0
-        scores, metrics = self.score(rollout, examples)
+        rollout, scores, metrics = self.collect(step)
         exp = self.make_experience(rollout)
         metrics.update(self.kl_metrics(exp))
         metrics.update(self.compute_advantages(exp, scores.to(acc.device)))
@@ -257,13 +239,29 @@ class OnlineTrainer:
                 "response_length/max": lengths.max().item(),
                 "response/eos_fraction": rollout.finished.float().mean().item(),
                 "kl_coef": self.kl_ctl.value,
-                "perf/gen_seconds": gen_seconds,
                 "perf/train_seconds": train_seconds,
-                "perf/gen_tokens_per_s": lengths.sum().item() / max(gen_seconds, 1e-9),
                 "perf/train_tokens_per_s": c.ppo_epochs * exp["attention_mask"].sum().item() / max(train_seconds, 1e-9),
             }
         )
         return metrics
+
+    def collect(self, step: int) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:
+        """This process's prompts of ``step`` (seeded), their sampled completions, scores, reward and sampling metrics."""
+        acc = self.engine.accelerator
+        idx = step_prompt_indices(len(self.prompts), step, self.config, acc.process_index, acc.num_processes)
+        examples = [self.prompts[i] for i in idx]
+        t0 = time.perf_counter()
+        rollout = self.backend.generate([e["prompt_ids"] for e in examples], self.sampling, seed=self.rollout_seed(step))
+        seconds = time.perf_counter() - t0
+        scores, metrics = self.score(rollout, examples)
+        metrics["perf/gen_seconds"] = seconds
+        metrics["perf/gen_tokens_per_s"] = rollout.response_lengths.sum().item() / max(seconds, 1e-9)
+        return rollout, scores, metrics
+
+    def rollout_seed(self, step: int, round: int = 0) -> int:
+        """Sampling seed of this process at ``step`` (``round`` > 0: dynamic sampling's extra rounds)."""
+        c, rank = self.config, self.engine.accelerator.process_index
+        return (c.seed * 1_000_003 + step) * 1_009 + rank + round * 7_919_009
 
     def score(self, rollout: RolloutBatch, examples: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
         texts = decode_responses(self.policy.tokenizer, rollout)
@@ -350,11 +348,11 @@ class OnlineTrainer:
         mask = mb["response_mask"]
         logp = selected_logprobs(logits, mb["response_ids"])
         old = mb["old_logp"] if "old_logp" in mb else logp.detach()
-        high = c.clip_range_high if c.clip_range_high is not None else c.clip_range
-        pl = ppo_policy_loss(old, logp, mb["advantages"], mask, c.clip_range, high, c.dual_clip, c.loss_agg)
+        pl = POLICY_LOSSES[c.policy_loss](old, logp, mb["advantages"], mask, **c.policy_loss_kwargs())
         total = pl.loss
+        norm = c.aggregation_norm
         with torch.set_grad_enabled(c.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = aggregate(entropy_from_logits(logits), mask, c.loss_agg)
+            entropy = aggregate(entropy_from_logits(logits), mask, c.aggregation, norm)
         if c.entropy_coef > 0:
             total = total - c.entropy_coef * entropy
         ratio_dev = torch.where(mask.bool(), (logp.detach() - old).exp() - 1, 0.0).abs()
@@ -367,13 +365,15 @@ class OnlineTrainer:
             "policy/ratio_dev_max": ratio_dev.max().item(),
         }
         if "ref_logp" in mb and c.kl_in == "loss":
-            kl = aggregate(kl_penalty(logp, mb["ref_logp"], c.kl_estimator), mask, c.loss_agg)
+            kl = aggregate(kl_penalty(logp, mb["ref_logp"], c.kl_estimator), mask, c.aggregation, norm)
             total = total + self.kl_ctl.value * kl
             metrics["policy/kl_loss"] = kl.item()
         extra, extra_metrics = self.extra_loss(values, mb)
         total = total + extra
         metrics.update(extra_metrics)
-        units = mask.sum() if c.loss_agg == "token-mean" else (mask.sum(-1) > 0).sum()
+        # the engine divides the summed loss by the global count: tokens for token-mean, sequences with a
+        # token for every seq-mean-* aggregation (seq-mean-token-sum-norm's constant is inside the mean)
+        units = mask.sum() if c.aggregation == "token-mean" else (mask.sum(-1) > 0).sum()
         return LossOutput(loss_sum=total * units, count=units.item(), metrics=metrics)
 
 

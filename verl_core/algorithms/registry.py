@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from verl_core.algorithms.dapo import DAPOTrainer
 from verl_core.algorithms.dpo import DPOTrainer, ORPOTrainer, SimPOTrainer
 from verl_core.algorithms.grpo import GRPOTrainer, ReinforcePPTrainer, RLOOTrainer
 from verl_core.algorithms.kto import KTOTrainer
@@ -48,6 +49,9 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("grpo", GRPOTrainer, "online", "prompts", "GRPO, group-normalised advantages (Shao et al. 2024)"),
         Algorithm("rloo", RLOOTrainer, "online", "prompts", "RLOO, leave-one-out baseline (Ahmadian et al. 2024)"),
         Algorithm("reinforce_pp", ReinforcePPTrainer, "online", "prompts", "REINFORCE++ (Hu 2025)"),
+        Algorithm(
+            "dapo", DAPOTrainer, "online", "prompts", "DAPO: clip-higher, dynamic sampling, overlong shaping (Yu et al. 2025)"
+        ),
         Algorithm("iterative_dpo", IterativeDPOTrainer, "rounds", "prompts", "on-policy pairs + DPO, rounds (Xiong et al. 2024)"),
         Algorithm("rft", RFTTrainer, "rounds", "prompts", "rounds of best-of-n SFT, RAFT (Dong et al. 2023)"),
     )

@@ -1,0 +1,273 @@
+"""The realistic bench's models, tokenizer and data: real shapes and real text, built locally.
+
+Nothing is downloaded. A 32,000-token byte-level BPE (``tokenizers``) is trained on the text of
+the shared HH-RLHF and GSM8K files (``/work/shared/data``, or ``$VERL_BENCH_DATA``); the models
+are Llama-family, randomly initialised, saved with ``save_pretrained`` next to the tokenizer, and
+cached under the cache folder (``$VERL_CORE_CACHE``, default ``~/.cache/verl_core``), like
+``verl_core.tiny``: a rerun finds them and builds nothing.
+
+Shapes (``SHAPES``; both tie the LM head to the input embedding, as GPT-2, SmolLM2 and
+Qwen2.5-0.5B do):
+
+- ``a``: hidden 256, 2 layers, intermediate 1024, 8 heads / 4 KV heads (head 32), vocab 32,000;
+- ``b``: hidden 512, 2 layers, intermediate 1536, 8 heads of 64 / 4 KV heads, vocab 32,000.
+  One decoder layer is 3.1M matmul parameters against 16.4M in the LM head (5.2 : 1; GPT-2 small
+  5.4 : 1, SmolLM2-135M 8 : 1, Qwen2.5-0.5B 9 : 1), but with 2 layers instead of 12-30 the head
+  is 72% of the matmul parameters: LM-head-bound, as small models with real vocabularies are.
+
+Data (the same rows for every side; ``rows_for``):
+
+- HH-RLHF pairs split at the LAST ``"\\n\\nAssistant:"``: prompt = everything up to and
+  including ``"Assistant:"``, chosen/rejected = the rest (RM, DPO; KTO gets each pair as two
+  unpaired rows, chosen desirable then rejected undesirable);
+- GSM8K: prompt ``question + "\\n"``, completion = the answer with its ``#### 42`` (SFT); the
+  prompt with ``ground_truth`` = the final number (GRPO, reward = the final number matches).
+
+Rows whose prompt + longest completion + EOS exceed ``max_length`` tokens are left out, so no
+side truncates anything and both do exactly the same work; the rest is shuffled with the seed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+from harness import BenchSpec
+
+DATA_DIR = Path(os.environ.get("VERL_BENCH_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+HH_FILE, GSM8K_FILE = "hh-rlhf-harmless-base-test.jsonl.gz", "gsm8k-test.jsonl"
+ASSISTANT = "\n\nAssistant:"
+VOCAB_SIZE = 32_000
+BUILD_VERSION = "realistic-v1"
+SHAPES = {
+    "a": {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8,
+          "num_key_value_heads": 4},
+    "b": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 8,
+          "num_key_value_heads": 4},
+    "t": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "num_key_value_heads": 2},  # tests only (--smoke)
+}
+UNITS = {"sft": "examples/s", "rm": "pairs/s", "dpo": "pairs/s", "kto": "rows/s", "grpo": "samples/s"}
+
+
+@dataclasses.dataclass
+class RealSpec(BenchSpec):
+    """:class:`harness.BenchSpec` with the realistic defaults (the model sizes come from ``shape``)."""
+
+    shape: str = "a"
+    vocab_size: int = VOCAB_SIZE
+    batch_size: int = 8
+    warmup_steps: int = 0  # the clock runs from the first step: one epoch, as a user waits for it
+    steps: int = 3
+    rows: int = 0  # 0: exactly one epoch of the steps run, batch_size * total_steps (GRPO: prompts)
+    max_length: int = 512
+    max_prompt_length: int = 256  # GRPO prompts
+    max_completion_length: int = 64  # GRPO new tokens
+    num_generations: int = 4  # GRPO: batch 16 = 4 prompts x 4 samples
+    grpo_batch: int = 16
+    dtype: str = "fp32"
+    trl_best: bool = False  # the TRL side: its defaults, or the best settings it offers here
+    corpus_limit: int = 0  # train the tokenizer on the first N texts only (0: all; tests)
+
+    def __post_init__(self):
+        for key, value in SHAPES[self.shape].items():
+            setattr(self, key, value)
+
+    def rows_needed(self, algo: str) -> int:
+        if self.rows:
+            return self.rows
+        per_step = self.grpo_batch // self.num_generations if algo == "grpo" else self.batch_size
+        return per_step * self.total_steps
+
+
+# -- data ----------------------------------------------------------------------------------------
+def _file(name: str) -> Path:
+    path = DATA_DIR / name
+    if not path.is_file():
+        raise SystemExit(f"realistic bench: data file {path} not found (set VERL_BENCH_DATA to the folder holding it)")
+    return path
+
+
+def hh_pairs() -> list[dict]:
+    """HH-RLHF rows as ``{"prompt", "chosen", "rejected"}`` split at the last Assistant turn."""
+    out = []
+    with gzip.open(_file(HH_FILE), "rt") as fh:
+        for line in fh:
+            row = json.loads(line)
+            cut = row["chosen"].rfind(ASSISTANT) + len(ASSISTANT)
+            prompt = row["chosen"][:cut]
+            if cut < len(ASSISTANT) or not row["rejected"].startswith(prompt):
+                continue  # the two dialogues differ before the last turn: no shared prompt
+            chosen, rejected = row["chosen"][cut:], row["rejected"][cut:]
+            if chosen.strip() and rejected.strip() and chosen != rejected:
+                out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return out
+
+
+def gsm8k_rows() -> list[dict]:
+    """GSM8K as ``{"prompt", "completion", "ground_truth"}``."""
+    out = []
+    with open(_file(GSM8K_FILE)) as fh:
+        for line in fh:
+            row = json.loads(line)
+            out.append({"prompt": row["question"].strip() + "\n", "completion": " " + row["answer"].strip(),
+                        "ground_truth": row["answer"].rsplit("####", 1)[-1].strip().replace(",", "")})
+    return out
+
+
+def corpus(limit: int = 0):
+    """The tokenizer's training text: every HH-RLHF dialogue and GSM8K question + answer (``limit``: the first N of each)."""
+    hh, gsm = hh_pairs(), gsm8k_rows()
+    for row in hh[:limit or len(hh)]:
+        yield row["prompt"] + row["chosen"]
+        yield row["rejected"]
+    for row in gsm[:limit or len(gsm)]:
+        yield row["prompt"] + row["completion"]
+
+
+def _fits(tokenizer, prompt: str, completions: list[str], max_length: int) -> bool:
+    n = len(tokenizer(prompt)["input_ids"])
+    return n + max(len(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in completions) + 1 <= max_length
+
+
+def rows_for(algo: str, spec: RealSpec, tokenizer) -> list[dict]:
+    """The rows of one run: ``spec.rows_needed(algo)`` rows that fit ``max_length``, seeded order."""
+    n = spec.rows_needed(algo)
+    rng = random.Random(spec.seed)
+    if algo in ("rm", "dpo", "kto"):
+        pool = hh_pairs()
+        rng.shuffle(pool)
+        pairs_needed = n // 2 if algo == "kto" else n
+        rows = []
+        for r in pool:
+            if _fits(tokenizer, r["prompt"], [r["chosen"], r["rejected"]], spec.max_length):
+                rows.append(r)
+            if len(rows) == pairs_needed:
+                break
+        if algo == "kto":  # unpaired rows from the same pairs, as TRL expects them
+            rows = [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
+                    for r in rows for k in ("chosen", "rejected")]
+    else:
+        pool = gsm8k_rows()
+        rng.shuffle(pool)
+        limit = spec.max_prompt_length if algo == "grpo" else spec.max_length
+        rows = []
+        for r in pool:
+            if _fits(tokenizer, r["prompt"], [r["completion"]] if algo == "sft" else [""], limit):
+                rows.append({"prompt": r["prompt"], "completion": r["completion"]} if algo == "sft"
+                            else {"prompt": r["prompt"], "ground_truth": r["ground_truth"]})
+            if len(rows) == n:
+                break
+    if len(rows) < n:
+        raise SystemExit(f"realistic bench: only {len(rows)} {algo} rows fit max_length, {n} needed")
+    return rows
+
+
+def sequence_tokens(algo: str, spec: RealSpec, tokenizer) -> dict[str, float]:
+    """Mean non-pad tokens per unit (logical sequences: a shared prompt counts in each), for the notes."""
+    rows = rows_for(algo, spec, tokenizer)
+    enc = lambda s, special=False: len(tokenizer(s, add_special_tokens=special)["input_ids"])  # noqa: E731
+    if algo == "sft":
+        lengths = [enc(r["prompt"], True) + enc(r["completion"]) + 1 for r in rows]
+    elif algo in ("rm", "dpo"):
+        lengths = [2 * enc(r["prompt"], True) + enc(r["chosen"]) + enc(r["rejected"]) + 2 for r in rows]
+    elif algo == "kto":
+        lengths = [enc(r["prompt"], True) + enc(r["completion"]) + 1 for r in rows]
+    else:
+        lengths = [enc(r["prompt"], True) + spec.max_completion_length for r in rows]
+    return {"tokens_per_unit": sum(lengths) / len(lengths), "max_tokens": max(lengths)}
+
+
+# -- tokenizer and models, cached ----------------------------------------------------------------
+def _data_digest() -> str:
+    h = hashlib.sha256()
+    for name in (HH_FILE, GSM8K_FILE):
+        h.update(_file(name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _cache_root(spec: RealSpec) -> Path:
+    from verl_core.tiny import default_cache_dir
+
+    return Path(spec.cache_dir) if spec.cache_dir else default_cache_dir()
+
+
+def _build_atomically(target: Path, build) -> Path:
+    """``build(tmp_folder)`` under a temporary name, renamed into place (a crash leaves nothing half-built)."""
+    if (target / "config.json").is_file() or (target / "tokenizer.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def tokenizer_path(spec: RealSpec) -> Path:
+    """A 32k byte-level BPE trained on the HH-RLHF + GSM8K text (digits single tokens, as Llama's)."""
+    fp = hashlib.sha256(f"{spec.vocab_size}-{spec.corpus_limit}-{_data_digest()}-{BUILD_VERSION}".encode()).hexdigest()[:12]
+
+    def build(tmp: Path) -> None:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        from verl_core.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(corpus(spec.corpus_limit), trainer=trainer)
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", model_max_length=4096)
+        fast.chat_template = CHAT_TEMPLATE
+        fast.save_pretrained(tmp)
+
+    return _build_atomically(_cache_root(spec) / f"bench-bpe{spec.vocab_size}-{fp}", build)
+
+
+def model_path(spec: RealSpec) -> Path:
+    """The shape's Llama (random init, seed 0, fp32 weights) and the tokenizer, in one folder."""
+    tok_dir = tokenizer_path(spec)
+    sizes = {k: getattr(spec, k) for k in SHAPES[spec.shape]}
+    fp = hashlib.sha256(json.dumps([sizes, spec.vocab_size, tok_dir.name, BUILD_VERSION]).encode()).hexdigest()[:12]
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        cfg = LlamaConfig(vocab_size=max(spec.vocab_size, len(tok)), max_position_embeddings=1024, tie_word_embeddings=True,
+                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, **sizes)
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    return _build_atomically(_cache_root(spec) / f"bench-llama-{spec.shape}-{fp}", build)
+
+
+def describe_shape(spec: RealSpec, tokens: int | None = None) -> str:
+    d, inter, layers = spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers
+    hd = d // spec.num_attention_heads
+    layer = d * hd * (2 * spec.num_attention_heads + 2 * spec.num_key_value_heads) + 3 * d * inter
+    head = d * spec.vocab_size
+    bpe = (f"; the BPE has {tokens:,} tokens, the text allows no more merges, the other rows are never read, as in "
+           f"padded vocabularies" if tokens and tokens < spec.vocab_size else "")
+    return (f"Llama shape {spec.shape}: hidden {d}, {layers} layers, intermediate {inter}, {spec.num_attention_heads} heads "
+            f"of {hd} / {spec.num_key_value_heads} KV heads, vocab {spec.vocab_size:,} (byte-level BPE trained on the "
+            f"HH-RLHF + GSM8K text{bpe}), tied embeddings; LM head {head / 1e6:.1f}M parameters vs {layer / 1e6:.2f}M per "
+            f"layer ({head / (head + layers * layer):.0%} of the matmul parameters)")

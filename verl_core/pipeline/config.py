@@ -91,6 +91,12 @@ RECIPE: dict[str, dict[str, Any]] = {
     "reinforce_pp": _GROUPS,
     # 24 new tokens: answers take 13-17 with EOS, so the overlong penalty starts past 18
     "dapo": dict(_GROUPS, overlong_buffer=6),
+    # rounds: each round samples 4 answers to 256 prompts from the current policy (exact match), then
+    # trains on what it found: 30 DPO steps on best-vs-worst pairs, or 30 SFT steps on the best answers
+    "iterative_dpo": dict(_OFFLINE, beta=0.5, rounds=3, prompts_per_round=256),
+    "rft": dict(
+        max_steps=30, batch_size=32, learning_rate=1e-4, lr_scheduler="constant", save_steps=10, rounds=3, prompts_per_round=256
+    ),
 }
 
 

@@ -52,6 +52,7 @@ def run_stage_launched(
     callbacks: Sequence[Callback] = (),
     run_id: str | None = None,
     log_line: LogLine | None = None,
+    round: int | None = None,
 ) -> StageResult:
     """:func:`run_stage` under the step's launcher (``local``: in this process, with ``callbacks``).
 
@@ -60,12 +61,12 @@ def run_stage_launched(
     """
     launcher = launcher_for(config, name)
     if launcher.kind == "local" or name not in TRAINING_STEPS:
-        return run_stage(config, name, inputs, callbacks=callbacks, run_id=run_id)
-    key = stage_key(config, name, inputs)
-    out_dir = stage_dir(config, name, key)
+        return run_stage(config, name, inputs, callbacks=callbacks, run_id=run_id, round=round)
+    key = stage_key(config, name, inputs, round)
+    out_dir = stage_dir(config, name, key, round)
     record_file = out_dir / RECORD_FILE
     if record_file.is_file():  # complete output already there: run_stage reuses it without training
-        return run_stage(config, name, inputs, callbacks=callbacks, run_id=run_id)
+        return run_stage(config, name, inputs, callbacks=callbacks, run_id=run_id, round=round)
     check_launchable(launcher)
     launch_dir = out_dir / LAUNCH_DIR
     launch_dir.mkdir(parents=True, exist_ok=True)
@@ -77,6 +78,7 @@ def run_stage_launched(
         "stage": name,
         "inputs": {k: (v.model_dump(mode="json") if v is not None else None) for k, v in inputs.items()},
         "run_id": run_id,
+        "round": round,
         "threads": launcher.threads_per_process,
     }
     request.write_text(json.dumps(payload))

@@ -131,8 +131,9 @@ def start_stage_run(
     flow_run_id: str | None = None,
     task_run_id: str | None = None,
     attempt: int | None = None,
+    round: int | None = None,
 ) -> str:
-    """A nested run for one stage; a retry of the same Prefect task run reuses it (tagged with the attempt)."""
+    """A nested run for one stage (one round of it); a retry of the same Prefect task run reuses it (tagged with the attempt)."""
     tags = {
         PARENT_TAG: parent_run_id or "",
         STAGE_TAG: stage,
@@ -141,8 +142,10 @@ def start_stage_run(
         FLOW_RUN_TAG: flow_run_id or "",
         TASK_RUN_TAG: task_run_id or "",
         "prefect.attempt": str(attempt) if attempt else "",
+        "verl_core.round": str(round) if round else "",
     }
-    run_id = _open(config, TASK_RUN_TAG, task_run_id, stage if not variant else f"{stage}-{variant}", tags)
+    name = (stage if not variant else f"{stage}-{variant}") + (f"-round{round}" if round else "")
+    run_id = _open(config, TASK_RUN_TAG, task_run_id, name, tags)
     section = getattr(config, stage).model_dump(mode="json")
     log_params(config, run_id, flatten(section))
     return run_id

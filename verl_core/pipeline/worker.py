@@ -67,7 +67,9 @@ def _train(request: dict, r: int) -> None:
     if main and run_id:
         tracking.configure(config)
         callbacks.append(MLflowCallback(run_id))
-    result = run_stage(config, request["stage"], inputs, callbacks=callbacks, run_id=run_id, write_record=main)
+    result = run_stage(
+        config, request["stage"], inputs, callbacks=callbacks, run_id=run_id, write_record=main, round=request.get("round")
+    )
     if main and run_id:  # the launcher's process never sees the rows: log them here
         for use in result.output.datasets:
             tracking.log_dataset(config, run_id, use.name, use.rows, use.context, use.source)

@@ -35,6 +35,7 @@ PRESETS: dict[str, dict] = {
     "grpo": dict(GROUP),
     "rloo": dict(GROUP),
     "reinforce_pp": dict(GROUP),
+    "dapo": dict(GROUP, overlong_buffer=6),  # DAPOConfig's recipe (clip-higher, dynamic sampling, no KL) on GROUP's shape
     "ppo": dict(learning_rate=1e-4, batch_size=128, mini_batch_size=64, ppo_epochs=2, max_steps=40, kl_coef=0.05),
     "ppo_rm": dict(learning_rate=1e-4, batch_size=128, mini_batch_size=64, ppo_epochs=2, max_steps=80, kl_coef=0.05),
 }
@@ -133,6 +134,7 @@ def reward_model_reranking(base: Path, reward_model: Path, rows: list[dict], n: 
 
 def run(algorithm: str, base: Path, eval_rows: list[dict], reward_model: Path | None, extra: dict) -> tuple[float, dict]:
     from verl_core import arithmetic
+    from verl_core.algorithms.dapo import DAPOTrainer
     from verl_core.algorithms.grpo import GRPOTrainer
     from verl_core.algorithms.ppo import PPOTrainer
     from verl_core.policies import LLMPolicy
@@ -148,6 +150,8 @@ def run(algorithm: str, base: Path, eval_rows: list[dict], reward_model: Path | 
                              eval_prompts=eval_rows, **settings)
     elif algorithm == "ppo":
         trainer = PPOTrainer(policy=policy, reward_rules={"exact_match": 1.0}, prompts=prompts, eval_prompts=eval_rows, **settings)
+    elif algorithm == "dapo":
+        trainer = DAPOTrainer(policy=policy, prompts=prompts, eval_prompts=eval_rows, **settings)
     else:
         trainer = GRPOTrainer(policy=policy, prompts=prompts, eval_prompts=eval_rows, advantage_estimator=algorithm, **settings)
     result = trainer.train()

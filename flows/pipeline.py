@@ -17,7 +17,7 @@ from tasks import task_for
 from tasks.stage_task import markdown_table, mlflow_link, publish_cached
 from verl_core.pipeline import tracking
 from verl_core.pipeline.config import PipelineConfig
-from verl_core.pipeline.records import StageRecord
+from verl_core.pipeline.records import PREVIOUS_ROUND, StageRecord
 from verl_core.pipeline.registry import STAGE_ORDER, given_record, stage_enabled, stage_for
 
 StageName = Literal[STAGE_ORDER]  # type: ignore[valid-type]
@@ -79,18 +79,24 @@ class PipelineRun:
         elif record is None:
             spec = stage_for(self.config, name)
             inputs = {i: self.stage(i) for i in spec.input_names(self.config) + spec.optional}
-            record, state = self._run_task(name, inputs)
+            if spec.rounds is None:
+                record, state = self._run_task(name, inputs)
+            else:  # one task per round, each fed the previous round's record
+                for k in range(1, spec.rounds(self.config) + 1):
+                    record, state = self._run_task(name, {**inputs, PREVIOUS_ROUND: record}, round=k)
+                    self.result.states[f"{name}/round{k}"] = state
         self.result.records[name], self.result.states[name] = record, state
         return record
 
-    def _run_task(self, name: str, inputs: dict[str, StageRecord | None]) -> tuple[StageRecord, str]:
-        task = task_for(name, self.config)
-        state = task(name, self.config, inputs, parent_run_id=self.result.mlflow_run_id, return_state=True)
+    def _run_task(self, name: str, inputs: dict[str, StageRecord | None], round: int | None = None) -> tuple[StageRecord, str]:
+        task = task_for(name, self.config, round)
+        parent = self.result.mlflow_run_id
+        state = task(name, self.config, inputs, parent_run_id=parent, round=round, return_state=True)
         record = state.result()  # re-raises the task's exception
         if state.is_completed() and state.name == "Cached" and not Path(record.output_path).exists():
             # The cache record outlived its output folder: compute it again.
             state = task.with_options(refresh_cache=True)(
-                name, self.config, inputs, parent_run_id=self.result.mlflow_run_id, return_state=True
+                name, self.config, inputs, parent_run_id=parent, round=round, return_state=True
             )
             record = state.result()
         if state.name == "Cached":  # no task body ran: give this pipeline run its child run and artifacts

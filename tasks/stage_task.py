@@ -3,8 +3,9 @@
 The decorator carries the cache policy (the step's cache key, see
 :func:`verl_core.pipeline.keys.stage_key`), result persistence and retries; :func:`task_for`
 names it after the step and applies the run's storage and retry settings. The body opens the
-step's nested MLflow run, runs :func:`~verl_core.pipeline.runner.run_stage`, logs the result and
-publishes Prefect artifacts.
+step's nested MLflow run, runs the step where its launcher says
+(:func:`~verl_core.pipeline.launch.run_stage_launched`: in this process, or as a torchrun / Ray job
+whose lines go to this task's log), logs the result and publishes Prefect artifacts.
 """
 
 from __future__ import annotations
@@ -19,16 +20,16 @@ from verl_core.callbacks import Callback, MLflowCallback
 from verl_core.pipeline import model_registry, tracking
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.keys import stage_key
+from verl_core.pipeline.launch import run_stage_launched
 from verl_core.pipeline.records import StageRecord, StageResult
 from verl_core.pipeline.registry import variant_of
-from verl_core.pipeline.runner import run_stage
 
 Inputs = dict[str, StageRecord | None]
 
 
 def _cache_key(_ctx, parameters: dict[str, Any]) -> str:
-    stage = parameters["stage"]
-    return f"{stage}-{stage_key(parameters['config'], stage, parameters['inputs'])}"
+    stage, round = parameters["stage"], parameters.get("round")
+    return f"{stage}-{stage_key(parameters['config'], stage, parameters['inputs'], round)}"
 
 
 @task(
@@ -39,18 +40,21 @@ def _cache_key(_ctx, parameters: dict[str, Any]) -> str:
     retries=1,
     retry_delay_seconds=2,
 )
-def stage_task(stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: str | None = None) -> StageRecord:
-    """Compute pipeline step ``stage`` from its inputs' records (cached on its key)."""
-    return execute(stage, config, inputs, parent_run_id)
+def stage_task(
+    stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: str | None = None, round: int | None = None
+) -> StageRecord:
+    """Compute pipeline step ``stage`` (round ``round`` of it) from its inputs' records (cached on its key)."""
+    return execute(stage, config, inputs, parent_run_id, round)
 
 
-def task_for(stage: str, config: PipelineConfig) -> Task:
-    """The task of ``stage`` with this run's result storage (a local Path), retries and cache refresh."""
+def task_for(stage: str, config: PipelineConfig, round: int | None = None) -> Task:
+    """The task of ``stage`` (named after its round, if any) with this run's result storage (a local
+    Path), retries and cache refresh."""
     o = config.orchestration
     storage = config.result_storage_path
     storage.mkdir(parents=True, exist_ok=True)
     return stage_task.with_options(
-        name=stage,
+        name=stage if round is None else f"{stage}-round{round}",
         result_storage=storage,
         retries=o.retries,
         retry_delay_seconds=o.retry_delay_seconds,
@@ -58,17 +62,21 @@ def task_for(stage: str, config: PipelineConfig) -> Task:
     )
 
 
-def stage_callbacks(config: PipelineConfig, stage: str, run_id: str) -> list[Callback]:
+def stage_callbacks(config: PipelineConfig, stage: str, run_id: str, round: int | None = None) -> list[Callback]:
     """The callbacks a step's training reports to: its nested MLflow run."""
     return [MLflowCallback(run_id)]
 
 
-def execute(stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: str | None) -> StageRecord:
-    """Run one step inside a nested MLflow run; FAILED with the error on any exception, then re-raise."""
+def execute(
+    stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: str | None, round: int | None = None
+) -> StageRecord:
+    """Run one step (one round of it) inside a nested MLflow run, in this process or as the distributed
+    job its launcher names (that job's output lines go to this task's log); FAILED on any exception, then re-raise."""
+    from prefect import get_run_logger
     from prefect.runtime import flow_run, task_run
 
     tracking.configure(config)
-    key = stage_key(config, stage, inputs)
+    key = stage_key(config, stage, inputs, round)
     run_id = tracking.start_stage_run(
         config,
         parent_run_id,
@@ -78,11 +86,13 @@ def execute(stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: s
         flow_run_id=flow_run.id,
         task_run_id=task_run.id,
         attempt=task_run.run_count,
+        round=round,
     )
     registered = None
     try:
         tracking.log_inputs(config, run_id, inputs)
-        result = run_stage(config, stage, inputs, callbacks=stage_callbacks(config, stage, run_id), run_id=run_id)
+        callbacks = stage_callbacks(config, stage, run_id, round)
+        result = run_stage_launched(config, stage, inputs, callbacks, run_id, log_line=get_run_logger().info, round=round)
         tracking.log_stage_result(config, run_id, result)
         registered = _register(config, result, inputs, run_id, parent_run_id)
     except BaseException as err:

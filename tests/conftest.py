@@ -69,6 +69,16 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One temporary Prefect API for the session (shared by every module that runs flows)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    # 60 s timed out while other jobs kept the 2 cores busy
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
 # Fixtures that train or start servers: a test using one is part of the slow subset.
 SLOW_FIXTURES = {"sft_path", "prefect_harness"}
 

@@ -61,6 +61,7 @@ def test_table_reports_ratios_misses_and_errors():
     assert "spread over one epoch" in table
 
 
+@pytest.mark.slow
 def test_smoke_run_of_our_side(tmp_path):
     out = tmp_path / "latest.md"
     proc = subprocess.run(
@@ -148,6 +149,7 @@ def test_realistic_rows_split_hh_at_the_last_assistant_turn():
     assert all(r["ground_truth"].lstrip("-").replace(".", "").isdigit() for r in gsm)
 
 
+@pytest.mark.slow
 def test_realistic_smoke_run_of_our_side(tmp_path):
     import realistic_models as rm
 

@@ -46,6 +46,7 @@ def test_table_formatting_aligns_columns():
     assert text.splitlines()[0].split() == ["policy", "accuracy"] and "0.7500" in text
 
 
+@pytest.mark.slow
 def test_stage_command_runs_one_stage_and_prints_where_to_look(tmp_path, capsys):
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 

@@ -77,6 +77,7 @@ def test_precomputed_reference_gives_the_same_losses_as_on_the_fly(tiny_path, pa
     assert abs(pre_result.metrics["eval/loss"] - live_result.metrics["eval/loss"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_precompute_frees_an_explicit_reference_model(tiny_path, pairs):
     trainer = DPOTrainer(
         str(tiny_path),
@@ -93,6 +94,7 @@ def test_precompute_frees_an_explicit_reference_model(tiny_path, pairs):
     assert abs(losses(result)[0] - LN2) < 1e-6
 
 
+@pytest.mark.slow
 def test_lora_reference_is_the_adapter_disabled_policy_without_a_second_copy(tiny_path, pairs):
     trainer = DPOTrainer(
         str(tiny_path), lora=LoraSettings(r=4), train_dataset=pairs, max_steps=2, batch_size=8, learning_rate=1e-2, **QUIET
@@ -138,12 +140,14 @@ def _seed_example(DPOTrainer, tiny_path) -> None:
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())  # the object was trained in place
 
 
+@pytest.mark.slow
 def test_seed_example_runs_verbatim_from_the_package(tiny_path):
     from verl_core import DPOTrainer, KTOTrainer  # noqa: F401  (exported by verl_core/__init__.py)
 
     _seed_example(DPOTrainer, tiny_path)
 
 
+@pytest.mark.slow
 def test_seed_example_runs_with_a_model_object_and_tokenizer(tiny_path):
     _seed_example(DPOTrainer, tiny_path)
 

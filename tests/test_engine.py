@@ -59,6 +59,7 @@ def _trainer(path, out, **kw):
     return SFTTrainer(str(path), **cfg)
 
 
+@pytest.mark.slow
 def test_resume_after_kill_equals_uninterrupted_run_bitwise(tiny_path, tmp_path):
     updates = _Updates()
     full = _trainer(tiny_path, tmp_path / "full", callbacks=[updates])
@@ -81,6 +82,7 @@ def test_resume_after_kill_equals_uninterrupted_run_bitwise(tiny_path, tmp_path)
     assert full_losses == resumed_losses
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_4x4_equals_1x16(tiny_path):
     one = _trainer(tiny_path, None, max_steps=1, batch_size=16, gradient_accumulation_steps=1)
     four = _trainer(tiny_path, None, max_steps=1, batch_size=16, gradient_accumulation_steps=4)
@@ -90,6 +92,7 @@ def test_gradient_accumulation_4x4_equals_1x16(tiny_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process(tiny_path, tmp_path):
     """torchrun --nproc_per_node 2 (accelerate MULTI_CPU, gloo) vs one process, same global batch."""
     script = Path(__file__).with_name("distributed_step.py")
@@ -129,6 +132,7 @@ def test_nan_loss_stops_training_without_a_checkpoint(tiny_path, tmp_path):
     assert not (tmp_path / "nan" / "model").exists()
 
 
+@pytest.mark.slow
 def test_too_few_rows_for_the_batch_train_on_batches_of_what_there_is(tiny_path):
     trainer = _trainer(tiny_path, None, train_dataset=ROWS[:4], batch_size=8)
     assert trainer.config.batch_size == 4 and trainer.train().steps >= 1

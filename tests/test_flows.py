@@ -35,28 +35,21 @@ class FaultAfterFirstCheckpoint(Callback):
             raise InjectedFault(f"injected fault after the checkpoint of step {step}")
 
 
-def inject_fault_once(monkeypatch, stage: str) -> list[int]:
-    """The step's training raises once, right after its first checkpoint (the "kill")."""
+def inject_fault_once(monkeypatch, stage: str, round: int | None = None) -> list[int]:
+    """The step's training (round ``round`` of it) raises once, right after its first checkpoint (the "kill")."""
     import importlib
 
     stage_task = importlib.import_module("tasks.stage_task")  # the module, not the task it exports
 
     fired: list[int] = []
     real = stage_task.stage_callbacks
-    monkeypatch.setattr(
-        stage_task,
-        "stage_callbacks",
-        lambda config, name, run_id: real(config, name, run_id) + ([FaultAfterFirstCheckpoint(fired)] if name == stage else []),
-    )
+
+    def callbacks(config, name, run_id, at_round=None):
+        hit = name == stage and (round is None or at_round == round)
+        return real(config, name, run_id, at_round) + ([FaultAfterFirstCheckpoint(fired)] if hit else [])
+
+    monkeypatch.setattr(stage_task, "stage_callbacks", callbacks)
     return fired
-
-
-@pytest.fixture(scope="session")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=60):
-        yield
 
 
 def tiny_config(tmp: Path, base_model: Path, *overrides: str) -> PipelineConfig:
@@ -294,3 +287,41 @@ def test_a_cached_stage_whose_output_folder_vanished_is_computed_again(first):
     assert [again.states[s] for s in TRAINED] == ["Cached", "Cached", "Cached", "Cached", "Completed"]
     assert Path(evaluation.output_path).is_dir()
     assert again.records["evaluation"].fingerprint == evaluation.fingerprint  # evaluation is deterministic
+
+
+def test_iterative_dpo_killed_in_round_2_resumes_with_round_1_cached_and_equal_final_weights(first, monkeypatch, tmp_path):
+    from flows import stage_flow
+    from verl_core.pipeline.runner import run_all_rounds
+
+    cfg, first_result, _ = first
+    section = {
+        **cfg.policy_optimisation.iterative_dpo.model_dump(),
+        "rounds": 2,
+        "max_steps": 4,
+        "save_steps": 2,
+        "batch_size": 8,
+        "prompts_per_round": 32,
+        "mixed_precision": "no",
+        "progress": False,
+    }
+    cfg = cfg.updated(
+        policy_optimisation={**cfg.policy_optimisation.model_dump(), "algorithm": "iterative_dpo", "iterative_dpo": section},
+        orchestration={**cfg.orchestration.model_dump(), "retries": 0},
+    )
+    fired = inject_fault_once(monkeypatch, "policy_optimisation", round=2)
+    state = stage_flow("policy_optimisation", cfg, return_state=True)
+    assert state.is_failed() and fired == [2]
+    monkeypatch.undo()
+
+    resumed = stage_flow("policy_optimisation", cfg)
+    assert resumed.states["policy_optimisation/round1"] == "Cached"
+    assert resumed.states["policy_optimisation/round2"] == "Completed"
+    final = resumed.records["policy_optimisation"]
+    assert final.round == 2 and final.extra["resumed_from_step"] == 2
+    rounds = [r for r in children(cfg, resumed.mlflow_run_id) if r.data.tags["verl_core.stage"] == "policy_optimisation"]
+    assert [r.data.tags["verl_core.round"] for r in rounds] == ["2"]  # the cached round logged nothing new
+
+    # The same rounds, uninterrupted, in plain Python, elsewhere: bitwise the same final weights.
+    reference = run_all_rounds(cfg.updated(workdir=str(tmp_path)), "policy_optimisation", {"sft": first_result.records["sft"]})
+    assert reference.record.extra["resumed_from_step"] == 0
+    assert reference.record.fingerprint == final.fingerprint

@@ -11,6 +11,7 @@ from verl_core.algorithms.registry import ALGORITHMS
 from verl_core.fingerprint import fingerprint_path
 from verl_core.models import load_causal_lm
 from verl_core.pipeline import StageRecord, load_pipeline_config, run_stage
+from verl_core.pipeline.runner import run_all_rounds
 
 
 def record(stage: str, path: Path) -> StageRecord:
@@ -25,8 +26,12 @@ def pairs_record(tmp_path_factory) -> StageRecord:
 
 def tiny_run(tmp: Path, algorithm: str) -> list[str]:
     common = ["max_steps=2", "progress=false", "save_steps=1"]
-    offline = ALGORITHMS[algorithm].kind == "offline"
-    sizes = ["batch_size=4"] if offline else ["batch_size=8", "max_new_tokens=24", "mini_batch_size=4"]
+    kind = ALGORITHMS[algorithm].kind
+    sizes = {
+        "offline": ["batch_size=4"],
+        "online": ["batch_size=8", "max_new_tokens=24", "mini_batch_size=4"],
+        "rounds": ["batch_size=4", "rounds=2", "prompts_per_round=16"],
+    }[kind]
     return [
         f"workdir={tmp}",
         f"policy_optimisation.algorithm={algorithm}",
@@ -41,15 +46,32 @@ def test_each_registered_algorithm_runs_as_the_policy_stage_and_changes_the_sft_
 ):
     cfg = load_pipeline_config(None, tiny_run(tmp_path, algorithm))
     sft = record("sft", sft_path)
-    result = run_stage(cfg, "policy_optimisation", {"sft": sft, "preference_data": pairs_record})
+    result = run_all_rounds(cfg, "policy_optimisation", {"sft": sft, "preference_data": pairs_record})
     rec = result.record
     assert rec.stage == "policy_optimisation" and rec.variant == algorithm
+    assert rec.round == (2 if ALGORITHMS[algorithm].kind == "rounds" else None)
     assert rec.extra["steps"] == 2 and not (Path(rec.output_path).parent / "checkpoints").exists()
     assert rec.fingerprint != sft.fingerprint
     before = dict(load_causal_lm(sft_path, trainable=False).named_parameters())
     after = dict(load_causal_lm(rec.output_path, trainable=False).named_parameters())
     assert any(not after[k].equal(before[k]) for k in before), "training did not change the policy"
-    assert run_stage(cfg, "policy_optimisation", {"sft": sft, "preference_data": pairs_record}).reused
+    assert run_all_rounds(cfg, "policy_optimisation", {"sft": sft, "preference_data": pairs_record}).reused
+
+
+def test_rounds_are_separate_stage_runs_keyed_on_the_previous_round(sft_path, tmp_path):
+    from verl_core.config import ConfigError
+
+    cfg = load_pipeline_config(None, tiny_run(tmp_path, "rft"))
+    sft = record("sft", sft_path)
+    with pytest.raises(ConfigError, match="runs in rounds"):
+        run_stage(cfg, "policy_optimisation", {"sft": sft})
+    first = run_stage(cfg, "policy_optimisation", {"sft": sft}, round=1).record
+    with pytest.raises(ConfigError, match="needs the record of round 1"):
+        run_stage(cfg, "policy_optimisation", {"sft": sft}, round=2)
+    second = run_stage(cfg, "policy_optimisation", {"sft": sft, "previous_round": first}, round=2).record
+    assert first.round == 1 and second.round == 2 and first.cache_key != second.cache_key
+    assert Path(first.output_path).parent != Path(second.output_path).parent
+    assert second.fingerprint != first.fingerprint  # round 2 trained on from round 1's policy
 
 
 def test_online_stage_with_use_reward_model_requires_the_reward_model_record(tiny_path, tmp_path):

@@ -132,6 +132,8 @@ class Engine:
             raise TrainingError("model has no trainable parameters")
         optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=config.adam_betas, weight_decay=config.weight_decay)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        # FSDP2 replaces parameters with sharded ones: rescale and clip those (DDP keeps the same objects)
+        params = [p for p in self.model.parameters() if p.requires_grad]
         self.total_steps = total_steps or config.max_steps or 1
         self.total_optimizer_steps = self.total_steps * updates_per_step
         name = config.lr_scheduler if config.lr_scheduler != "constant" else "constant_with_warmup"

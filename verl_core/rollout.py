@@ -26,7 +26,7 @@ under our control. A vLLM or SGLang backend implements :class:`RolloutBackend` i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -86,6 +86,30 @@ class RolloutBatch:
     def to(self, device) -> RolloutBatch:
         return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
+    def select_groups(self, groups: Sequence[int]) -> RolloutBatch:
+        """The rows answering ``groups`` (prompt indices), in that order and renumbered ``0..len(groups)-1``,
+        without the padding columns no remaining row needs (all groups in order: the same batch)."""
+        members: dict[int, list[int]] = {}
+        for row, g in enumerate(self.group_index.tolist()):
+            members.setdefault(g, []).append(row)
+        if not groups or any(g not in members for g in groups):
+            raise ValueError(f"select_groups needs groups of this batch (0..{len(members) - 1}), got {list(groups)}")
+        rows = [r for g in groups for r in members[g]]
+        new_index = [k for k, g in enumerate(groups) for _ in members[g]]
+        pick = torch.tensor(rows, dtype=torch.long, device=self.response_ids.device)
+        p_len = int(self.prompt_mask[pick].sum(-1).max())
+        r_len = max(1, int(self.response_mask[pick].sum(-1).max()))
+        p0 = self.prompt_ids.shape[1] - p_len
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids[pick, p0:],
+            prompt_mask=self.prompt_mask[pick, p0:],
+            response_ids=self.response_ids[pick, :r_len],
+            response_mask=self.response_mask[pick, :r_len],
+            logprobs=self.logprobs[pick, :r_len],
+            group_index=torch.tensor(new_index, dtype=torch.long, device=self.group_index.device),
+            finished=self.finished[pick],
+        )
+
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0 on pads."""
@@ -97,11 +121,14 @@ class RolloutBackend(Protocol):
     """Anything that samples completions for token-id prompts.
 
     ``generate`` must return samples of prompt ``i`` at rows ``i*n .. i*n+n-1`` and be a pure
-    function of ``(weights, prompt_ids, params, seed)``. ``sync_weights`` is called after every
+    function of ``(weights, prompt_ids, params, seed)``; with one seed per prompt, prompt ``i``'s
+    samples must be a function of ``(weights, prompt i, params, seed[i])`` alone. ``sync_weights`` is called after every
     policy update; an in-process backend that holds the live model has nothing to do.
     """
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seed: int) -> RolloutBatch: ...
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seed: int | Sequence[int]
+    ) -> RolloutBatch: ...
 
     def sync_weights(self, model: torch.nn.Module) -> None: ...
 
@@ -150,19 +177,29 @@ class HFRolloutBackend:
         self._cache_kw = _cache_keyword(model)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seed: int = 0) -> RolloutBatch:
+    def generate(
+        self, prompt_ids: Sequence[Sequence[int]], params: SamplingParams, seed: int | Sequence[int] = 0
+    ) -> RolloutBatch:
+        """``seed``: one stream for the whole batch, or one seed per prompt (each sample then draws
+        from its own stream, so a prompt's samples do not depend on the other prompts in the call)."""
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("generate needs at least one prompt and no empty prompt")
         device = next(self.model.parameters()).device
-        gen = torch.Generator(device=device).manual_seed(int(seed))
         rows = [list(p) for p in prompt_ids for _ in range(params.n)]
         groups = [i for i in range(len(prompt_ids)) for _ in range(params.n)]
+        if isinstance(seed, int):
+            gen: torch.Generator | list[torch.Generator] = torch.Generator(device=device).manual_seed(seed)
+        elif len(seed) != len(prompt_ids):
+            raise ValueError(f"{len(seed)} seeds for {len(prompt_ids)} prompts: give one seed per prompt or one in all")
+        else:
+            gen = [row_generator(int(seed[i]), j, device) for i in range(len(prompt_ids)) for j in range(params.n)]
         was_training = self.model.training
         self.model.eval()
         try:
+            size = params.batch_size
             chunks = [
-                self._generate_chunk(rows[s : s + params.batch_size], params, gen, device)
-                for s in range(0, len(rows), params.batch_size)
+                self._generate_chunk(rows[s : s + size], params, gen[s : s + size] if isinstance(gen, list) else gen, device)
+                for s in range(0, len(rows), size)
             ]
         finally:
             self.model.train(was_training)
@@ -182,7 +219,7 @@ class HFRolloutBackend:
         return out.logits[:, -1], out.get(self._cache_kw)
 
     def _generate_chunk(
-        self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator, device: torch.device
+        self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator | list[torch.Generator], device: torch.device
     ) -> RolloutBatch:
         n = len(rows)
         # The n samples of a prompt share ONE prefill: each distinct prompt is run once, then its KV
@@ -237,15 +274,30 @@ def _cache_keyword(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its log-prob under softmax(logits / T) (see the module docstring)."""
+def row_generator(prompt_seed: int, sample: int, device) -> torch.Generator:
+    """The random stream of sample ``sample`` of the prompt seeded ``prompt_seed``."""
+    return torch.Generator(device=device).manual_seed(prompt_seed * 1_000_003 + sample)
+
+
+def _sample(
+    logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its log-prob under softmax(logits / T) (see the module docstring).
+    With one generator per row, row i's token is the inverse CDF of its probabilities at a uniform
+    drawn from its own stream: a pure function of that row's logits and stream."""
     if params.temperature == 0:
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
     scaled = logits / params.temperature
     logp_all = torch.log_softmax(scaled, -1)
     probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), -1)
-    token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    if isinstance(gen, torch.Generator):
+        token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    else:
+        cdf = probs.cumsum(-1)
+        u = torch.stack([torch.rand((), generator=g, device=probs.device) for g in gen]) * cdf[:, -1]
+        # token k where cdf[k-1] <= u < cdf[k]: a token of probability 0 is never chosen
+        token = (cdf <= u[:, None]).sum(-1).clamp(max=probs.shape[-1] - 1)
     return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
 
 
@@ -269,6 +321,19 @@ def _concat(chunks: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         finished=torch.cat([c.finished for c in chunks]),
     )
     return out
+
+
+def concat_rollouts(batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """One batch of several (prompts left-padded, responses right-padded to the widest); the group
+    indices of each batch are shifted past those of the batches before it."""
+    if not batches:
+        raise ValueError("concat_rollouts needs at least one batch")
+    offsets, total = [], 0
+    for b in batches:
+        offsets.append(total)
+        total += int(b.group_index.max()) + 1 if len(b) else 0
+    shifted = torch.cat([b.group_index + off for b, off in zip(batches, offsets)])
+    return replace(_concat(list(batches), pad_id), group_index=shifted)
 
 
 def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:

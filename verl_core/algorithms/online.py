@@ -10,8 +10,11 @@ One training step (the RLHF loop of Ziegler et al. 2019, arXiv:1909.08593, and O
 4. without gradients: old log-probs, reference log-probs (only when a KL term is on), values,
 5. advantages (the algorithm's :meth:`OnlineTrainer.compute_advantages`: GAE, GRPO, RLOO, ...),
 6. ``ppo_epochs`` passes over shuffled mini-batches, one ``Engine.optimizer_step`` each, on the
-   clipped surrogate ``ppo_policy_loss`` (+ entropy bonus, + KL when ``kl_in="loss"``, + the
-   algorithm's extra loss, e.g. the PPO value loss).
+   policy loss ``POLICY_LOSSES[policy_loss]`` (default ``"vanilla"``, the PPO clipped surrogate;
+   ``"gspo"``, ``"cispo"``) aggregated with ``loss_agg`` (default: that loss's own) (+ entropy
+   bonus, + KL when ``kl_in="loss"``, + the algorithm's extra loss, e.g. the PPO value loss).
+
+Steps 1-3 are :meth:`OnlineTrainer.collect` (GRPO's dynamic sampling repeats them).
 
 :meth:`OnlineTrainer.train_step` is that step; :meth:`Engine.run` loops over it (resume, logging,
 eval and checkpoint cadences in rollout steps, callbacks). Each update's own metrics reach
@@ -26,7 +29,8 @@ mini-batch) the update is on-policy and ``old = logp.detach()`` saves that pass.
 The KL to the frozen reference is estimated per token with ``kl_penalty(kind=kl_estimator)`` and
 either subtracted from the reward (``kl_in="reward"``: ``r_t -= beta * kl_t``, Ziegler et al.) or
 added to the loss (``kl_in="loss"``: ``+ beta * agg(kl_t)``, GRPO, Shao et al. 2024). With
-several processes each process samples, scores and whitens its own share of the batch.
+several processes each samples and scores its share of the prompts, then advantages, statistics
+and mini-batches are those of the global batch (:mod:`verl_core.algorithms.online_batch`).
 """
 
 from __future__ import annotations
@@ -42,15 +46,17 @@ import torch
 
 from verl_core import arithmetic
 from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
+from verl_core.algorithms.online_batch import gather_experience, gather_rows, mean_over_ranks, minibatch_share, prompt_seeds
 from verl_core.algorithms.online_config import KLKind, OnlineConfig  # noqa: F401  (KLKind: part of this module's API)
+from verl_core.algorithms.sampling import step_prompt_indices
 from verl_core.algorithms.speed import describe, resolve_speed
 from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.data import tokenize_prompts
-from verl_core.engine import Engine, LossOutput, TrainingError, TrainResult, micro_batch_indices
+from verl_core.engine import Engine, LossOutput, TrainingError, TrainResult
 from verl_core.logprobs import entropy_from_logits, selected_logprobs
 from verl_core.losses.masked import masked_mean
-from verl_core.losses.policy import AdaptiveKLController, FixedKLController, aggregate, kl_penalty, ppo_policy_loss
+from verl_core.losses.policy import POLICY_LOSSES, AdaptiveKLController, FixedKLController, aggregate, kl_penalty
 from verl_core.models import save_pretrained_atomic
 from verl_core.policies import LLMPolicy
 from verl_core.precision import AUTOCAST_DTYPES, allow_precision_change
@@ -58,19 +64,6 @@ from verl_core.rewards.model import RewardModel, RewardSource, UserRewards
 from verl_core.rollout import HFRolloutBackend, RolloutBackend, RolloutBatch, SamplingParams, decode_responses
 
 log = logging.getLogger("verl_core")
-
-
-class _KLState:
-    """Checkpointable wrapper of the KL controller's coefficient."""
-
-    def __init__(self, controller):
-        self.controller = controller
-
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.controller.value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.controller.value = float(state["value"])
 
 
 class OnlineTrainer:
@@ -193,7 +186,7 @@ class OnlineTrainer:
                 f"prompts per step ({c.batch_size // c.num_generations}) must split over {acc.num_processes} processes and "
                 f"mini_batch_size ({self.mini_batch_size}) over processes × gradient_accumulation_steps"
             )
-        acc.register_for_checkpointing(_KLState(self.kl_ctl))
+        acc.register_for_checkpointing(self.kl_ctl)
         if self.reference is not None:
             self.reference.to(acc.device)
         if self.rewards.reward_model is not None:
@@ -229,19 +222,15 @@ class OnlineTrainer:
         """One rollout step: sample, score, advantages, ``ppo_epochs`` passes of updates."""
         c, engine = self.config, self.engine
         acc = engine.accelerator
-        idx = micro_batch_indices(
-            len(self.prompts), step, c.batch_size // c.num_generations, c.seed, acc.process_index, acc.num_processes, 1
-        )[0]
-        examples = [self.prompts[i] for i in idx]
-        t0 = time.perf_counter()
-        rollout = self.backend.generate(
-            [e["prompt_ids"] for e in examples], self.sampling, seed=(c.seed * 1_000_003 + step) * 1_009 + acc.process_index
-        )
-        gen_seconds = time.perf_counter() - t0
-        scores, metrics = self.score(rollout, examples)
-        exp = self.make_experience(rollout)
+        rollout, scores, metrics = self.collect(step)
+        # from here on the global batch (every process's rows, in prompt order; identity alone)
+        exp = gather_experience(self.make_experience(rollout), acc, self.policy.tokenizer.pad_token_id)
+        scores, finished = gather_rows(scores.to(acc.device), acc), gather_rows(rollout.finished.to(acc.device), acc)
+        if acc.num_processes > 1:
+            metrics = mean_over_ranks(metrics, acc)
+            metrics["reward/std"] = scores.std(unbiased=False).item()
         metrics.update(self.kl_metrics(exp))
-        metrics.update(self.compute_advantages(exp, scores.to(acc.device)))
+        metrics.update(self.compute_advantages(exp, scores))
         exp.pop("kl", None)
         t1 = time.perf_counter()
         updates = self.update(exp, step)
@@ -249,21 +238,40 @@ class OnlineTrainer:
         if c.adaptive_kl and "kl" in metrics:
             self.kl_ctl.update(metrics["kl"], c.batch_size)
         self.backend.sync_weights(self.policy_lm(engine.unwrapped))
-        lengths = rollout.response_lengths.float()
+        lengths = exp["response_mask"].sum(-1).float()
         metrics.update({k: sum(u[k] for u in updates) / len(updates) for k in updates[0]})
         metrics.update(
             {
                 "response_length/mean": lengths.mean().item(),
                 "response_length/max": lengths.max().item(),
-                "response/eos_fraction": rollout.finished.float().mean().item(),
+                "response/eos_fraction": finished.float().mean().item(),
                 "kl_coef": self.kl_ctl.value,
-                "perf/gen_seconds": gen_seconds,
                 "perf/train_seconds": train_seconds,
-                "perf/gen_tokens_per_s": lengths.sum().item() / max(gen_seconds, 1e-9),
                 "perf/train_tokens_per_s": c.ppo_epochs * exp["attention_mask"].sum().item() / max(train_seconds, 1e-9),
             }
         )
         return metrics
+
+    def collect(self, step: int) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:
+        """This process's prompts of ``step`` (seeded), their sampled completions, scores, reward and sampling metrics."""
+        acc = self.engine.accelerator
+        idx = step_prompt_indices(len(self.prompts), step, self.config, acc.process_index, acc.num_processes)
+        examples = [self.prompts[i] for i in idx]
+        t0 = time.perf_counter()
+        seed: int | list[int] = self.rollout_seed(step)
+        if self.config.seed_per_prompt:  # samples that do not depend on how prompts are split over processes
+            seed = prompt_seeds(self.config.seed, step, acc.process_index * len(examples), len(examples))
+        rollout = self.backend.generate([e["prompt_ids"] for e in examples], self.sampling, seed=seed)
+        seconds = time.perf_counter() - t0
+        scores, metrics = self.score(rollout, examples)
+        metrics["perf/gen_seconds"] = seconds
+        metrics["perf/gen_tokens_per_s"] = rollout.response_lengths.sum().item() / max(seconds, 1e-9)
+        return rollout, scores, metrics
+
+    def rollout_seed(self, step: int, round: int = 0) -> int:
+        """Sampling seed of this process at ``step`` (``round`` > 0: dynamic sampling's extra rounds)."""
+        c, rank = self.config, self.engine.accelerator.process_index
+        return (c.seed * 1_000_003 + step) * 1_009 + rank + round * 7_919_009
 
     def score(self, rollout: RolloutBatch, examples: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
         texts = decode_responses(self.policy.tokenizer, rollout)
@@ -328,16 +336,16 @@ class OnlineTrainer:
         return {"kl": exp["kl"].sum(-1).mean().item(), "kl/token_mean": masked_mean(exp["kl"], mask).item()}
 
     def update(self, exp: dict[str, torch.Tensor], step: int) -> list[dict[str, float]]:
-        """``ppo_epochs`` seeded passes over shuffled mini-batches; the metrics of each optimizer step."""
+        """``ppo_epochs`` seeded passes over shuffled mini-batches of the global batch ``exp`` (this
+        process takes its share of each); the metrics of each optimizer step."""
         c, acc = self.config, self.engine.accelerator
         n = exp["input_ids"].shape[0]
-        local = self.mini_batch_size // acc.num_processes
         gen = torch.Generator().manual_seed(c.seed * 1_000_003 + step)
         out = []
         for _ in range(c.ppo_epochs):
             order = torch.randperm(n, generator=gen).to(exp["input_ids"].device)
-            for k in range(n // local):
-                rows = order[k * local : (k + 1) * local]
+            for k in range(n // self.mini_batch_size):
+                rows = minibatch_share(order, k, self.mini_batch_size, acc)
                 micro = [{key: v[i] for key, v in exp.items()} for i in rows.chunk(c.gradient_accumulation_steps)]
                 out.append(self.engine.optimizer_step(micro, self.loss))
         return out
@@ -350,11 +358,11 @@ class OnlineTrainer:
         mask = mb["response_mask"]
         logp = selected_logprobs(logits, mb["response_ids"])
         old = mb["old_logp"] if "old_logp" in mb else logp.detach()
-        high = c.clip_range_high if c.clip_range_high is not None else c.clip_range
-        pl = ppo_policy_loss(old, logp, mb["advantages"], mask, c.clip_range, high, c.dual_clip, c.loss_agg)
+        pl = POLICY_LOSSES[c.policy_loss](old, logp, mb["advantages"], mask, **c.policy_loss_kwargs())
         total = pl.loss
+        norm = c.aggregation_norm
         with torch.set_grad_enabled(c.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = aggregate(entropy_from_logits(logits), mask, c.loss_agg)
+            entropy = aggregate(entropy_from_logits(logits), mask, c.aggregation, norm)
         if c.entropy_coef > 0:
             total = total - c.entropy_coef * entropy
         ratio_dev = torch.where(mask.bool(), (logp.detach() - old).exp() - 1, 0.0).abs()
@@ -367,13 +375,15 @@ class OnlineTrainer:
             "policy/ratio_dev_max": ratio_dev.max().item(),
         }
         if "ref_logp" in mb and c.kl_in == "loss":
-            kl = aggregate(kl_penalty(logp, mb["ref_logp"], c.kl_estimator), mask, c.loss_agg)
+            kl = aggregate(kl_penalty(logp, mb["ref_logp"], c.kl_estimator), mask, c.aggregation, norm)
             total = total + self.kl_ctl.value * kl
             metrics["policy/kl_loss"] = kl.item()
         extra, extra_metrics = self.extra_loss(values, mb)
         total = total + extra
         metrics.update(extra_metrics)
-        units = mask.sum() if c.loss_agg == "token-mean" else (mask.sum(-1) > 0).sum()
+        # the engine divides the summed loss by the global count: tokens for token-mean, sequences with a
+        # token for every seq-mean-* aggregation (seq-mean-token-sum-norm's constant is inside the mean)
+        units = mask.sum() if c.aggregation == "token-mean" else (mask.sum(-1) > 0).sum()
         return LossOutput(loss_sum=total * units, count=units.item(), metrics=metrics)
 
 

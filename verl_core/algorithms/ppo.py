@@ -14,7 +14,11 @@ the step in ``V`` is ~k·lr), letting the critic catch up with returns within a 
 
 with ``L_value`` the clipped value loss of :func:`~verl_core.losses.policy.ppo_value_loss`.
 Rewards per token are ``r_t = -beta * kl_t`` plus the sequence score on the last token;
-advantages are GAE (Schulman et al. 2016, arXiv:1506.02438), whitened over the batch.
+advantages are GAE (Schulman et al. 2016, arXiv:1506.02438), whitened over the batch. PPO always
+uses GAE (it is the only estimator that reads the critic): unlike the group trainers it has no
+``advantage_estimator`` option. The policy loss and its aggregation are selectable as in every
+online trainer (``policy_loss``: ``vanilla`` (the default), ``gspo``, ``cispo``; ``loss_agg``);
+the value loss uses the same aggregation.
 Only the policy LM is saved at the end (``output_dir/model``); the value head is a training aid.
 """
 
@@ -126,10 +130,11 @@ class PPOTrainer(OnlineTrainer):
         }
 
     def extra_loss(self, values, batch):
+        c, mask = self.config, batch["response_mask"]
         out = ppo_value_loss(
-            values, batch["values"], batch["returns"], batch["response_mask"], self.config.value_clip_range, self.config.loss_agg
+            values, batch["values"], batch["returns"], mask, c.value_clip_range, c.aggregation, c.aggregation_norm
         )
-        return self.config.vf_coef * out.loss, {"value/loss": out.loss.item(), "value/clip_fraction": out.clip_fraction.item()}
+        return c.vf_coef * out.loss, {"value/loss": out.loss.item(), "value/clip_fraction": out.clip_fraction.item()}
 
 
 Trainer = PPOTrainer

@@ -10,18 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from verl_core.algorithms.dapo import DAPOTrainer
 from verl_core.algorithms.dpo import DPOTrainer, ORPOTrainer, SimPOTrainer
 from verl_core.algorithms.grpo import GRPOTrainer, ReinforcePPTrainer, RLOOTrainer
 from verl_core.algorithms.kto import KTOTrainer
 from verl_core.algorithms.ppo import PPOTrainer
+from verl_core.algorithms.rounds import IterativeDPOTrainer, RFTTrainer
 
-Kind = Literal["offline", "online"]
+Kind = Literal["offline", "online", "rounds"]
 
 
 @dataclass(frozen=True)
 class Algorithm:
     """``trainer`` is constructed as ``trainer(model, train_dataset=rows, config=...)`` (offline,
-    trains on ``data``) or ``trainer(policy, reward_model=..., prompts=rows, config=...)`` (online)."""
+    trains on ``data``), ``trainer(policy, reward_model=..., prompts=rows, config=...)`` (online), or
+    is a :class:`~verl_core.algorithms.rounds.RoundsTrainer`: rounds of generate -> score -> train,
+    which the pipeline runs as one cached, retryable task each (rounds)."""
 
     name: str
     trainer: type
@@ -45,6 +49,11 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("grpo", GRPOTrainer, "online", "prompts", "GRPO, group-normalised advantages (Shao et al. 2024)"),
         Algorithm("rloo", RLOOTrainer, "online", "prompts", "RLOO, leave-one-out baseline (Ahmadian et al. 2024)"),
         Algorithm("reinforce_pp", ReinforcePPTrainer, "online", "prompts", "REINFORCE++ (Hu 2025)"),
+        Algorithm(
+            "dapo", DAPOTrainer, "online", "prompts", "DAPO: clip-higher, dynamic sampling, overlong shaping (Yu et al. 2025)"
+        ),
+        Algorithm("iterative_dpo", IterativeDPOTrainer, "rounds", "prompts", "on-policy pairs + DPO, rounds (Xiong et al. 2024)"),
+        Algorithm("rft", RFTTrainer, "rounds", "prompts", "rounds of best-of-n SFT, RAFT (Dong et al. 2023)"),
     )
 }
 

@@ -260,6 +260,7 @@ def ppo_value_loss(
     response_mask: Tensor,
     clip_range: float | None = 0.2,
     agg: str = "token-mean",
+    norm_constant: float | None = None,
 ) -> ValueLossOutput:
     """Clipped value loss of PPO (as in the PPO2 baselines code, Schulman et al. 2017).
 
@@ -269,6 +270,7 @@ def ppo_value_loss(
 
     ``clip_range=None`` gives the plain ``0.5 * (V - R)^2``. ``clip_fraction`` is the fraction
     of valid tokens on which the clipped term was strictly larger (the active one).
+    ``norm_constant`` is passed to :func:`aggregate` (``"seq-mean-token-sum-norm"`` only).
     """
     mask = response_mask.bool()
     loss_unclipped = (values - returns) ** 2
@@ -280,7 +282,7 @@ def ppo_value_loss(
         loss_clipped = (values_clipped - returns) ** 2
         loss_mat = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
         clip_active = loss_clipped > loss_unclipped
-    loss = aggregate(loss_mat, mask, agg)
+    loss = aggregate(loss_mat, mask, agg, norm_constant)
     with torch.no_grad():
         clip_fraction = masked_mean(clip_active.to(loss_mat.dtype), mask)
     return ValueLossOutput(loss, clip_fraction)
@@ -317,7 +319,19 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
     raise ValueError(f"unknown kl penalty kind {kind!r}; expected one of {list(KL_KINDS)}")
 
 
-class AdaptiveKLController:
+class _Checkpointable:
+    """The coefficient as a checkpointable state (``accelerator.register_for_checkpointing``)."""
+
+    value: float
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController(_Checkpointable):
     """Adaptive KL coefficient (Ziegler et al. 2019, arXiv:1909.08593, eq. 2).
 
     After a step that observed mean KL ``current_kl`` over ``n_steps`` samples::
@@ -341,7 +355,7 @@ class AdaptiveKLController:
         return self.value
 
 
-class FixedKLController:
+class FixedKLController(_Checkpointable):
     """Constant KL coefficient with the same interface as :class:`AdaptiveKLController`."""
 
     def __init__(self, kl_coef: float) -> None:

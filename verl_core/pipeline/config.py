@@ -32,11 +32,14 @@ from verl_core.algorithms.registry import ALGORITHMS
 from verl_core.algorithms.reward_model import RewardConfig
 from verl_core.algorithms.sft import SFTConfig
 from verl_core.config import ConfigError, StrictConfig
+from verl_core.pipeline.launcher_config import LauncherConfig
 from verl_core.preference_data import PreferenceDataConfig
 from verl_core.rewards.model import RewardSourceConfig
 from verl_core.rollout import SamplingParams
 
 EXACT_MATCH = {"exact_match": 1.0}
+_STAGE_LAUNCHER = "this stage's launcher; null = the pipeline's `launcher`"
+
 PreferenceMethod = Literal["bundled", "sample_and_score"]
 PolicyAlgorithm = Literal[("none", *ALGORITHMS)]  # type: ignore[valid-type]
 
@@ -86,6 +89,14 @@ RECIPE: dict[str, dict[str, Any]] = {
     "grpo": _GROUPS,
     "rloo": _GROUPS,
     "reinforce_pp": _GROUPS,
+    # 24 new tokens: answers take 13-17 with EOS, so the overlong penalty starts past 18
+    "dapo": dict(_GROUPS, overlong_buffer=6),
+    # rounds: each round samples 4 answers to 256 prompts from the current policy (exact match), then
+    # trains on what it found: 30 DPO steps on best-vs-worst pairs, or 30 SFT steps on the best answers
+    "iterative_dpo": dict(_OFFLINE, beta=0.5, rounds=3, prompts_per_round=256),
+    "rft": dict(
+        max_steps=30, batch_size=32, learning_rate=1e-4, lr_scheduler="constant", save_steps=10, rounds=3, prompts_per_round=256
+    ),
 }
 
 
@@ -150,6 +161,7 @@ class _SFTStage(SFTConfig):
 
     model_path: str | None = Field(None, description="an SFT policy folder to use instead of training one")
     data: DataSource = Field(default_factory=DataSource)
+    launcher: LauncherConfig | None = Field(None, description=_STAGE_LAUNCHER)
 
 
 SFTStageConfig = with_defaults(_SFTStage, "SFTStageConfig", RECIPE["sft"])
@@ -186,6 +198,7 @@ class _RewardModelStage(RewardConfig):
     model_path: str | None = Field(None, description="a reward-model folder to use instead of training one")
     init_from: Literal["sft", "base"] = "sft"
     eval_fraction: float = Field(0.1, ge=0, lt=1, description="last fraction of the pairs held out for accuracy")
+    launcher: LauncherConfig | None = Field(None, description=_STAGE_LAUNCHER)
 
 
 RewardModelStageConfig = with_defaults(_RewardModelStage, "RewardModelStageConfig", RECIPE["reward_model"])
@@ -211,6 +224,7 @@ def _policy_section() -> type:
         "model_path": (str | None, Field(None, description="a policy folder to evaluate instead of training one")),
         "prompts": (DataSource, Field(default_factory=DataSource, description="prompts for online algorithms")),
         "use_reward_model": (bool, Field(False, description="online algorithms: add the reward-model stage's score")),
+        "launcher": (LauncherConfig | None, Field(None, description=_STAGE_LAUNCHER)),
     }
     fields.update(
         {
@@ -281,6 +295,7 @@ class PipelineConfig(StrictConfig):
     evaluation: EvaluationStageConfig = Field(default_factory=EvaluationStageConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig, description="where training stages run (default)")
 
     @property
     def workdir_path(self) -> Path:

@@ -17,12 +17,13 @@ from pydantic import BaseModel
 
 from verl_core.fingerprint import fingerprint_path
 from verl_core.pipeline.config import DataSource, PipelineConfig
-from verl_core.pipeline.records import StageRecord
+from verl_core.pipeline.records import PREVIOUS_ROUND, StageRecord
 from verl_core.pipeline.registry import STEPS, stage_for, variant_of
 from verl_core.precision import resolve_mixed_precision
 
-# Fields that change how a run looks, not what it computes: kept out of cache keys.
-VOLATILE_FIELDS = {"progress", "output_dir", "resume", "model_path", "path", "enabled"}
+# Fields that change how a run looks, not what it computes: kept out of cache keys (batch sizes
+# are global, so the launcher changes where a stage trains, not its result).
+VOLATILE_FIELDS = {"progress", "output_dir", "resume", "model_path", "path", "enabled", "launcher"}
 
 
 def rows_fingerprint(rows: list[dict] | None) -> str | None:
@@ -65,10 +66,10 @@ def _data_fingerprints(section: Any) -> dict[str, str]:
     return out
 
 
-def stage_key(config: PipelineConfig, name: str, inputs: dict[str, StageRecord | None]) -> str:
+def stage_key(config: PipelineConfig, name: str, inputs: dict[str, StageRecord | None], round: int | None = None) -> str:
     """Cache key of step ``name``: stage + code version + resolved config + input and data fingerprints."""
     stage = stage_for(config, name)
-    used = stage.input_names(config) + stage.optional
+    used = stage.input_names(config) + stage.optional + (PREVIOUS_ROUND,) * bool(round and round > 1)
     payload = {
         "stage": stage.name,
         "version": stage.version,
@@ -77,10 +78,12 @@ def stage_key(config: PipelineConfig, name: str, inputs: dict[str, StageRecord |
         "inputs": {k: (inputs[k].fingerprint if inputs.get(k) is not None else None) for k in sorted(used)},
         "bundled": rows_fingerprint(stage.bundled(config)) if stage.bundled else None,
     }
+    if round is not None:
+        payload["round"] = round
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def stage_dir(config: PipelineConfig, name: str, key: str) -> Path:
+def stage_dir(config: PipelineConfig, name: str, key: str, round: int | None = None) -> Path:
     variant = variant_of(config, name)
-    label = f"{name}-{variant}" if variant else name
+    label = (f"{name}-{variant}" if variant else name) + (f"-round{round}" if round is not None else "")
     return config.workdir_path / "stages" / f"{label}-{key[:16]}"

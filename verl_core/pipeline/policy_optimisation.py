@@ -1,16 +1,22 @@
 """The policy-optimisation stage: one variant per registered algorithm
-(:data:`verl_core.algorithms.registry.ALGORITHMS`), all trained by the same two functions.
+(:data:`verl_core.algorithms.registry.ALGORITHMS`), trained by one function per kind.
 
 Offline algorithms train on the preference-data stage's pairs; online ones sample from the
-configured prompts and score with their rules (plus the reward model when ``use_reward_model``).
+configured prompts and score with their rules (plus the reward model when ``use_reward_model``);
+rounds algorithms (iterative DPO, RFT) run each round of generate -> score -> train as its own
+stage run, from the previous round's policy.
 """
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 from verl_core import arithmetic
 from verl_core.algorithms.registry import ALGORITHMS, Algorithm
+from verl_core.checkpoints import CHECKPOINTS_DIR
 from verl_core.pipeline.data import data_label, load_data, preference_rows_of
-from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOutput, Step
+from verl_core.pipeline.records import PREVIOUS_ROUND, DatasetUse, Stage, StageContext, StageOutput, Step
 from verl_core.pipeline.training import train_in_stage, train_offline
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
@@ -54,26 +60,52 @@ def _online(ctx: StageContext, algorithm: Algorithm) -> StageOutput:
     )
 
 
+def _rounds(ctx: StageContext, algorithm: Algorithm) -> StageOutput:
+    """One round of a rounds algorithm: from the previous round's policy (round 1: the SFT policy)."""
+    from verl_core.algorithms.rounds import run_round
+
+    section = getattr(ctx.section, algorithm.name)
+    values = {k: v for k, v in section.model_dump().items() if k in algorithm.config_cls.model_fields}
+    config = algorithm.config_cls.from_dict(values, source=f"policy_optimisation.{algorithm.name}")
+    previous = ctx.inputs.get(PREVIOUS_ROUND)
+    policy = previous.output_path if previous else ctx.input_path("sft")
+    reward_model = ctx.input_path("reward_model") if ctx.section.use_reward_model else None
+    prompts = _prompts(ctx.config)
+    result = run_round(config, policy, ctx.input_path("sft"), prompts, ctx.round, ctx.output_dir, reward_model, ctx.callbacks)
+    if not ctx.config.orchestration.keep_checkpoints:
+        shutil.rmtree(ctx.output_dir / CHECKPOINTS_DIR, ignore_errors=True)
+    return StageOutput(
+        output_path=Path(result.output_dir),
+        metrics=result.metrics,
+        history=result.history,
+        datasets=[DatasetUse(f"{algorithm.name}-prompts", prompts, "training", data_label(ctx.section.prompts, "prompts"))],
+        extra={"steps": result.steps, "resumed_from_step": result.resumed_from_step, "round": ctx.round},
+    )
+
+
 def _online_inputs(cfg) -> tuple[str, ...]:
     return ("sft", "reward_model") if cfg.policy_optimisation.use_reward_model else ("sft",)
 
 
+TRAIN = {"offline": _offline, "online": _online, "rounds": _rounds}
+
+
 def _stage(algorithm: Algorithm) -> Stage:
-    train = _offline if algorithm.kind == "offline" else _online
+    train = TRAIN[algorithm.kind]
 
     def stage(ctx: StageContext) -> StageOutput:
         return train(ctx, algorithm)
 
+    name, version = f"policy_optimisation:{algorithm.name}", f"{algorithm.name}-1"
     if algorithm.kind == "offline":
-        return Stage(
-            f"policy_optimisation:{algorithm.name}", version=f"{algorithm.name}-1", fn=stage, inputs=("sft", "preference_data")
-        )
+        return Stage(name, version=version, fn=stage, inputs=("sft", "preference_data"))
     return Stage(
-        f"policy_optimisation:{algorithm.name}",
-        version=f"{algorithm.name}-1",
+        name,
+        version=version,
         fn=stage,
         inputs=_online_inputs,
         bundled=lambda cfg: _prompts(cfg) if cfg.policy_optimisation.prompts.path is None else None,
+        rounds=(lambda cfg: getattr(cfg.policy_optimisation, algorithm.name).rounds) if algorithm.kind == "rounds" else None,
     )
 
 

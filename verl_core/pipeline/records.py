@@ -19,6 +19,7 @@ from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 
 RECORD_FILE = "record.json"
+PREVIOUS_ROUND = "previous_round"  # the input name of round k - 1's record, in a stage that runs in rounds
 HISTORY_FILE = "history.json"
 
 
@@ -33,6 +34,7 @@ class StageRecord(BaseModel):
     variant: str | None = None
     cache_key: str | None = None
     given: bool = Field(False, description="output supplied by the config, not computed")
+    round: int | None = Field(None, description="which round of a step that runs in rounds (1-based)")
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -77,6 +79,7 @@ class StageContext:
     inputs: dict[str, StageRecord]
     output_dir: Path
     callbacks: list[Callback]
+    round: int | None = None  # 1-based, for a stage that runs in rounds
 
     @property
     def section(self) -> Any:
@@ -98,7 +101,9 @@ class Stage:
     ``inputs``: upstream steps whose records it needs (a tuple, or a function of the config);
     ``optional``: upstream steps it uses when present; ``bundled``: config -> the built-in rows
     it reads, if any (their content enters the cache key, so a change of the bundled task reruns
-    it). Bump ``version`` when the stage computes something different.
+    it). ``rounds``: config -> how many rounds the stage runs in (None: one plain run); round
+    ``k > 1`` gets round ``k - 1``'s record as its input ``"previous_round"``, and each round is
+    its own cached, retryable unit. Bump ``version`` when the stage computes something different.
     """
 
     name: str
@@ -107,6 +112,7 @@ class Stage:
     inputs: Inputs = ()
     optional: tuple[str, ...] = ()
     bundled: Callable[[Any], list[dict] | None] | None = None
+    rounds: Callable[[Any], int] | None = None
 
     def input_names(self, config: Any) -> tuple[str, ...]:
         return self.inputs(config) if callable(self.inputs) else self.inputs

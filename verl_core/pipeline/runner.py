@@ -14,7 +14,15 @@ from verl_core.config import ConfigError
 from verl_core.fingerprint import fingerprint_path
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.keys import stage_dir, stage_key
-from verl_core.pipeline.records import HISTORY_FILE, RECORD_FILE, StageContext, StageOutput, StageRecord, StageResult
+from verl_core.pipeline.records import (
+    HISTORY_FILE,
+    PREVIOUS_ROUND,
+    RECORD_FILE,
+    StageContext,
+    StageOutput,
+    StageRecord,
+    StageResult,
+)
 from verl_core.pipeline.registry import stage_for, variant_of
 
 
@@ -24,18 +32,27 @@ def run_stage(
     inputs: dict[str, StageRecord | None],
     callbacks: Sequence[Callback] = (),
     run_id: str | None = None,
+    write_record: bool = True,
+    round: int | None = None,
 ) -> StageResult:
-    """Run step ``name`` into its deterministic folder and return its record.
+    """Run step ``name`` (round ``round`` of it, for a stage that runs in rounds) into its
+    deterministic folder and return its record.
 
     A folder that already holds a complete record with the same key is reused as is; the record
     is written last (atomically), so a folder without one is an unfinished run to resume.
+    ``write_record=False``: a distributed worker's other ranks, which train but leave the
+    fingerprint and the record to rank 0.
     """
     stage = stage_for(config, name)
     for needed in stage.input_names(config):
         if inputs.get(needed) is None:
             raise ConfigError(f"stage {name!r} needs the output of {needed!r}")
-    key = stage_key(config, name, inputs)
-    out_dir = stage_dir(config, name, key)
+    if (round is not None) != (stage.rounds is not None):
+        raise ConfigError(f"stage {stage.name!r} " + ("runs in rounds: give round=" if round is None else "has no rounds"))
+    if round is not None and round > 1 and inputs.get(PREVIOUS_ROUND) is None:
+        raise ConfigError(f"round {round} of {stage.name!r} needs the record of round {round - 1}")
+    key = stage_key(config, name, inputs, round)
+    out_dir = stage_dir(config, name, key, round)
     done = out_dir / RECORD_FILE
     if done.is_file():
         record = StageRecord.model_validate_json(done.read_text())
@@ -45,9 +62,17 @@ def run_stage(
             return StageResult(record, StageOutput(Path(record.output_path), record.metrics, history), reused=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = StageContext(
-        config, name, variant_of(config, name), {k: v for k, v in inputs.items() if v is not None}, out_dir, list(callbacks)
+        config,
+        name,
+        variant_of(config, name),
+        {k: v for k, v in inputs.items() if v is not None},
+        out_dir,
+        list(callbacks),
+        round,
     )
     output = stage.fn(ctx)
+    if not write_record:
+        return StageResult(StageRecord(stage=name, output_path=str(output.output_path), fingerprint=""), output)
     metrics = {k: float(v) for k, v in output.metrics.items() if isinstance(v, (int, float))}
     record = StageRecord(
         stage=name,
@@ -57,6 +82,7 @@ def run_stage(
         metrics=metrics,
         mlflow_run_id=run_id,
         cache_key=key,
+        round=round,
         extra=output.extra,
     )
     if output.history:
@@ -66,3 +92,19 @@ def run_stage(
     tmp.write_text(record.model_dump_json(indent=2))
     tmp.replace(done)
     return StageResult(record, output)
+
+
+def run_all_rounds(
+    config: PipelineConfig,
+    name: str,
+    inputs: dict[str, StageRecord | None],
+    callbacks: Sequence[Callback] = (),
+) -> StageResult:
+    """Every round of a step (one plain :func:`run_stage` when it has no rounds); the last round's result."""
+    stage = stage_for(config, name)
+    if stage.rounds is None:
+        return run_stage(config, name, inputs, callbacks)
+    result = None
+    for k in range(1, stage.rounds(config) + 1):
+        result = run_stage(config, name, {**inputs, PREVIOUS_ROUND: result.record if result else None}, callbacks, round=k)
+    return result

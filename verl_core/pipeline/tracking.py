@@ -169,8 +169,9 @@ def start_stage_run(
     flow_run_id: str | None = None,
     task_run_id: str | None = None,
     attempt: int | None = None,
+    round: int | None = None,
 ) -> str:
-    """A nested run for one stage; a retry of the same Prefect task run reuses it (tagged with the attempt).
+    """A nested run for one stage (one round of it); a retry of the same Prefect task run reuses it (tagged with the attempt).
 
     Params: the settings that make the stage's cache key (the chosen variant's only), as the
     ``stage_config.yaml`` artifact; training stages add their trainer's settings as params
@@ -188,9 +189,14 @@ def start_stage_run(
         FLOW_RUN_URL_TAG: url or "",
         TASK_RUN_TAG: task_run_id or "",
         "prefect.attempt": str(attempt) if attempt else "",
-        NOTE_TAG: f"Stage `{stage}`" + (f" ({variant})" if variant else "") + _prefect_link(flow_run_id, url),
+        "verl_core.round": str(round) if round else "",
+        NOTE_TAG: f"Stage `{stage}`"
+        + (f" ({variant})" if variant else "")
+        + (f" round {round}" if round else "")
+        + _prefect_link(flow_run_id, url),
     }
-    run_id = _open(config, TASK_RUN_TAG, task_run_id, stage if not variant else f"{stage}-{variant}", tags)
+    name = (stage if not variant else f"{stage}-{variant}") + (f"-round{round}" if round else "")
+    run_id = _open(config, TASK_RUN_TAG, task_run_id, name, tags)
     section = section_for_key(config, stage)
     if stage not in TRAINING_STAGES:
         log_params(config, run_id, flatten(section))

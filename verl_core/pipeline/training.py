@@ -33,7 +33,7 @@ def train_in_stage(
     if not ctx.config.orchestration.keep_checkpoints:
         shutil.rmtree(ctx.output_dir / "checkpoints", ignore_errors=True)
     return StageOutput(
-        output_path=Path(result.output_dir),
+        output_path=Path(result.output_dir or ctx.output_dir),  # online trainers give None on ranks other than 0
         metrics=result.metrics,
         history=result.history,
         datasets=list(datasets),

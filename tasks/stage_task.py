@@ -10,6 +10,7 @@ whose lines go to this task's log), logs the result and publishes Prefect artifa
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from prefect import Task, task
@@ -67,12 +68,23 @@ def stage_callbacks(config: PipelineConfig, stage: str, run_id: str, round: int 
     return [MLflowCallback(run_id)]
 
 
+def _task_log_line():
+    """Where a distributed job's output lines go: the Prefect task log, or this module's logger
+    when called outside a task run (the Python API, tests)."""
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger().info
+    except MissingContextError:
+        return logging.getLogger(__name__).info
+
+
 def execute(
     stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: str | None, round: int | None = None
 ) -> StageRecord:
     """Run one step (one round of it) inside a nested MLflow run, in this process or as the distributed
     job its launcher names (that job's output lines go to this task's log); FAILED on any exception, then re-raise."""
-    from prefect import get_run_logger
     from prefect.runtime import flow_run, task_run
 
     tracking.configure(config)
@@ -92,7 +104,7 @@ def execute(
     try:
         tracking.log_inputs(config, run_id, inputs)
         callbacks = stage_callbacks(config, stage, run_id, round)
-        result = run_stage_launched(config, stage, inputs, callbacks, run_id, log_line=get_run_logger().info, round=round)
+        result = run_stage_launched(config, stage, inputs, callbacks, run_id, log_line=_task_log_line(), round=round)
         tracking.log_stage_result(config, run_id, result)
         registered = _register(config, result, inputs, run_id, parent_run_id)
     except BaseException as err:

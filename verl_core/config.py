@@ -8,17 +8,22 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from verl_core.errors import UserError
+
 T = TypeVar("T", bound="StrictConfig")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration that cannot be used: unknown key, wrong type, bad value."""
+
+    exit_code = 2  # a usage error, like argparse's
 
 
 class StrictConfig(BaseModel):
     """Base for every config: unknown keys are an error, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # allow_inf_nan=False: a NaN or inf hyper-parameter (learning_rate: .inf passes gt=0) is an error
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
     def __init__(self, **data: Any):
         try:

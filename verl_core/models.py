@@ -10,12 +10,13 @@ import torch
 from pydantic import Field
 
 from verl_core.config import StrictConfig
+from verl_core.errors import UserError
 
 DType = Literal["float32", "bfloat16", "float16"]
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError, ValueError):
     """A model or tokenizer that cannot be loaded; the message says which and why."""
 
 

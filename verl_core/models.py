@@ -11,6 +11,7 @@ from pydantic import Field
 
 from verl_core.config import StrictConfig
 from verl_core.errors import UserError
+from verl_core.hub import hub_id, hub_offline, not_found_hint
 
 DType = Literal["float32", "bfloat16", "float16"]
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,11 +36,12 @@ def _check_source(path: str | os.PathLike) -> str:
         if not (Path(text).expanduser() / "config.json").is_file():
             raise ModelLoadError(f"model folder {text} has no config.json; is it a save_pretrained folder?")
         return str(Path(text).expanduser())
-    if text.startswith((".", "/", "~")) or Path(text).exists() or text.count("/") > 1:
-        raise ModelLoadError(f"model path does not exist: {text}")
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
+    repo = hub_id(text)
+    if repo is None or Path(text).exists():
+        raise ModelLoadError(f"model path does not exist: {text} {not_found_hint(text)}")
+    if hub_offline():
         raise ModelLoadError(f"{text!r} is not a local folder and hub downloads are off (HF_HUB_OFFLINE=1)")
-    return text
+    return repo
 
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
@@ -48,8 +50,8 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     source = _check_source(path)
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load tokenizer from {source}: {err}") from None
+    except Exception as err:  # any loader failure (truncated file, refused pickle) is about this folder
+        raise ModelLoadError(f"cannot load tokenizer from {source}: {type(err).__name__}: {err}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -59,8 +61,8 @@ def _from_pretrained(auto_cls, path, dtype: DType, trust_remote_code: bool, **kw
     source = _check_source(path)
     try:
         return auto_cls.from_pretrained(source, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load {auto_cls.__name__} from {source}: {err}") from None
+    except Exception as err:  # a truncated model.safetensors, a .bin refused by weights_only loading, ...
+        raise ModelLoadError(f"cannot load {auto_cls.__name__} from {source}: {type(err).__name__}: {err}") from None
 
 
 def load_causal_lm(

@@ -16,6 +16,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.cache_policies import CacheKeyFnPolicy
 
 from verl_core.callbacks import Callback, MLflowCallback
+from verl_core.errors import UserError
 from verl_core.pipeline import tracking
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.keys import stage_key
@@ -38,10 +39,17 @@ def _cache_key(_ctx, parameters: dict[str, Any]) -> str:
     result_serializer="json",
     retries=1,
     retry_delay_seconds=2,
+    retry_condition_fn=lambda task, task_run, state: retryable(state),
 )
 def stage_task(stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: str | None = None) -> StageRecord:
     """Compute pipeline step ``stage`` from its inputs' records (cached on its key)."""
     return execute(stage, config, inputs, parent_run_id)
+
+
+def retryable(state) -> bool:
+    """Retry transient failures only: an error in what the user gave (:class:`UserError`: config,
+    data, model, checkpoint, workdir, tracking URI) fails the same way on every attempt."""
+    return not isinstance(state.result(raise_on_failure=False), UserError)
 
 
 def task_for(stage: str, config: PipelineConfig) -> Task:

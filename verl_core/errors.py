@@ -23,3 +23,7 @@ class WorkdirError(UserError, OSError):
 
 class TrainingError(UserError, RuntimeError):
     """Training cannot go on (non-finite loss, too little data, ...)."""
+
+
+class TrackingError(UserError, ConnectionError):
+    """The MLflow tracking URI cannot be reached or written; checked before any training."""

@@ -122,6 +122,21 @@ def is_peft(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
+def _remove_partial_writes(target: Path) -> None:
+    """Delete ``.<name>-<pid>-*`` folders that a killed save of ``target`` left (their process is gone)."""
+    import shutil
+
+    for partial in target.parent.glob(f".{target.name}-*"):
+        pid = partial.name[len(target.name) + 2 :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(partial, ignore_errors=True)
+            except PermissionError:
+                pass
+
+
 def save_pretrained_atomic(model, tokenizer, target: str | os.PathLike) -> Path:
     """Write an HF folder under a temporary name, then rename it into place.
 
@@ -135,7 +150,8 @@ def save_pretrained_atomic(model, tokenizer, target: str | os.PathLike) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     if is_peft(model):
         model = model.merge_and_unload()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    _remove_partial_writes(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-{os.getpid()}-", dir=target.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:

@@ -16,6 +16,7 @@ from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.keys import stage_dir, stage_key
 from verl_core.pipeline.records import HISTORY_FILE, RECORD_FILE, StageContext, StageOutput, StageRecord, StageResult
 from verl_core.pipeline.registry import stage_for, variant_of
+from verl_core.pipeline.workdir_lock import stage_lock
 
 
 def run_stage(
@@ -36,6 +37,14 @@ def run_stage(
             raise ConfigError(f"stage {name!r} needs the output of {needed!r}")
     key = stage_key(config, name, inputs)
     out_dir = stage_dir(config, name, key)
+    o = config.orchestration
+    # one writer per stage folder; the reuse check below runs under the lock, so a run that waited
+    # for another one to finish reuses its output instead of training into the same folder again
+    with stage_lock(config.workdir_path, out_dir, wait=o.busy_workdir == "wait", timeout=o.busy_wait_seconds):
+        return _run_locked(config, name, stage, key, out_dir, inputs, callbacks, run_id)
+
+
+def _run_locked(config, name, stage, key, out_dir: Path, inputs, callbacks, run_id) -> StageResult:
     done = out_dir / RECORD_FILE
     if done.is_file():
         record = StageRecord.model_validate_json(done.read_text())

@@ -175,7 +175,8 @@ def generate_preference_data(
             paths.update(_write_dataset(rows[kind], COLUMNS[kind], out, kind, config.formats))
     provenance = {
         "format": FORMAT_VERSION,
-        "policy": {"path": str(policy.source if isinstance(policy_path, LLMPolicy) else policy_path), **policy_fp},
+        # relative to the output, so that a moved workdir keeps the same fingerprint
+        "policy": {"path": _relative(policy.source if isinstance(policy_path, LLMPolicy) else policy_path, out), **policy_fp},
         "reward": manifest["reward"],
         "sampling": manifest["sampling"],
         "seed": config.seed,
@@ -299,3 +300,10 @@ def _write_dataset(rows: list[dict], columns: list[str], out: Path, kind: str, f
         os.replace(tmp, target)
         paths[f"{kind}_parquet"] = target
     return paths
+
+
+def _relative(path, out: Path) -> str:
+    """``path`` relative to ``out`` when both are local (a hub id or other string is kept as is)."""
+    import os
+
+    return os.path.relpath(Path(path).resolve(), out.resolve()) if Path(str(path)).exists() else str(path)

@@ -51,7 +51,10 @@ def _run_locked(config, name, stage, key, out_dir: Path, inputs, callbacks, run_
         if record.cache_key == key and Path(record.output_path).exists():
             hist = out_dir / HISTORY_FILE
             history = json.loads(hist.read_text()) if hist.is_file() else {}
-            return StageResult(record, StageOutput(Path(record.output_path), record.metrics, history), reused=True)
+            # the model and artifacts are logged again by the new run (and registered if a killed attempt did not)
+            reused = StageOutput(Path(record.output_path), record.metrics, history, model_to_log=record.extra.get("model_to_log"))
+            reused.artifacts = [Path(p) for p in record.extra.get("artifacts", []) if Path(p).is_file()]
+            return StageResult(record, reused, reused=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = StageContext(
         config, name, variant_of(config, name), {k: v for k, v in inputs.items() if v is not None}, out_dir, list(callbacks)
@@ -68,6 +71,10 @@ def _run_locked(config, name, stage, key, out_dir: Path, inputs, callbacks, run_
         cache_key=key,
         extra=output.extra,
     )
+    if output.model_to_log:
+        record.extra["model_to_log"] = str(output.model_to_log)
+    if output.artifacts:
+        record.extra["artifacts"] = [str(p) for p in output.artifacts]
     if output.history:
         (out_dir / HISTORY_FILE).write_text(json.dumps(output.history))
         record.extra["history"] = str(out_dir / HISTORY_FILE)

@@ -195,7 +195,9 @@ def log_stage_result(config: PipelineConfig, run_id: str, result: StageResult) -
         if Path(path).is_file():
             c.log_artifact(run_id, str(path))
     if out.model_to_log and config.tracking.log_model:
-        log_model(config, run_id, out.model_to_log, config.tracking.registered_model_name)
+        from verl_core.pipeline.registration import log_model_once  # registration imports this module
+
+        log_model_once(config, run_id, out.model_to_log, rec.cache_key)
 
 
 def log_dataset(config: PipelineConfig, run_id: str, name: str, rows: list[dict], context: str, source: str) -> None:

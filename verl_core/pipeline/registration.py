@@ -10,26 +10,18 @@ exists is the model logged and registered.
 
 from __future__ import annotations
 
-import logging
-
-from verl_core.pipeline import tracking
-from verl_core.pipeline.config import PipelineConfig
-
-log = logging.getLogger("verl_core")
 KEY_TAG = "verl_core.cache_key"
 
 
-def registered_version(config: PipelineConfig, cache_key: str) -> str | None:
-    """The version of the registered model made from the stage output with ``cache_key``, if any."""
-    name = config.tracking.registered_model_name
+def registered_version(client, name: str | None, cache_key: str) -> str | None:
+    """The version of registered model ``name`` made from the stage output with ``cache_key``, if any."""
     if not name:
         return None
-    c = tracking.client(config)
-    for version in c.search_model_versions(f"name='{name}'"):
+    for version in client.search_model_versions(f"name='{name}'"):
         if version.tags.get(KEY_TAG) == cache_key:
             return str(version.version)
         try:
-            source_key = c.get_run(version.run_id).data.tags.get(KEY_TAG) if version.run_id else None
+            source_key = client.get_run(version.run_id).data.tags.get(KEY_TAG) if version.run_id else None
         except Exception:  # the source run was deleted
             source_key = None
         if source_key == cache_key:
@@ -37,16 +29,8 @@ def registered_version(config: PipelineConfig, cache_key: str) -> str | None:
     return None
 
 
-def log_model_once(config: PipelineConfig, run_id: str, model_path: str, cache_key: str) -> str | None:
-    """Log and register ``model_path`` unless a version from this stage output exists; returns the version."""
-    c, name = tracking.client(config), config.tracking.registered_model_name
-    existing = registered_version(config, cache_key)
-    if existing is not None:
-        log.info("model %s version %s already registered from this output; not registering again", name, existing)
-        c.set_tag(run_id, "verl_core.registered_version", existing)
-        return existing
-    version = tracking.log_model(config, run_id, model_path, name)
-    if version is not None and name:
-        c.set_model_version_tag(name, version, KEY_TAG, cache_key)
-        c.set_tag(run_id, "verl_core.registered_version", version)
-    return version
+def mark_registered(client, name: str | None, version: str | None, run_id: str, cache_key: str) -> None:
+    """Tag the version with the stage output's key and the run with the version it registered (or found)."""
+    if name and version is not None:
+        client.set_model_version_tag(name, version, KEY_TAG, cache_key)
+        client.set_tag(run_id, "verl_core.registered_version", version)

@@ -15,6 +15,7 @@ from typing import Any
 
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.records import StageRecord, StageResult
+from verl_core.pipeline.registration import mark_registered, registered_version
 from verl_core.pipeline.workdir_lock import owner_tags
 
 log = logging.getLogger("verl_core")
@@ -195,9 +196,12 @@ def log_stage_result(config: PipelineConfig, run_id: str, result: StageResult) -
         if Path(path).is_file():
             c.log_artifact(run_id, str(path))
     if out.model_to_log and config.tracking.log_model:
-        from verl_core.pipeline.registration import log_model_once  # registration imports this module
-
-        log_model_once(config, run_id, out.model_to_log, rec.cache_key)
+        # once per stage output: a rerun after a kill during registration registers only what is missing
+        name = config.tracking.registered_model_name
+        version = registered_version(c, name, rec.cache_key)
+        if version is None:
+            version = log_model(config, run_id, out.model_to_log, name)
+        mark_registered(c, name, version, run_id, rec.cache_key)
 
 
 def log_dataset(config: PipelineConfig, run_id: str, name: str, rows: list[dict], context: str, source: str) -> None:

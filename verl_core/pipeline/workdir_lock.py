@@ -110,8 +110,13 @@ def workdir_lock(workdir: Path, wait: bool, timeout: float) -> contextlib.Abstra
     return exclusive(workdir / LOCK_FILE, f"workdir {workdir}", wait, timeout)
 
 
-def stage_lock(workdir: Path, stage_folder: Path, wait: bool, timeout: float) -> contextlib.AbstractContextManager[Path]:
-    return exclusive(workdir / ".locks" / f"{stage_folder.name}.lock", f"stage folder {stage_folder}", wait, timeout)
+def stage_lock(workdir: Path, stage_folder: Path, wait: bool, timeout: float) -> contextlib.AbstractContextManager:
+    """The lock of one stage folder. In a multi-process job (torchrun sets ``RANK``) only rank 0 takes
+    it: the other ranks write into the same folder under rank 0's lock, and waiting there would deadlock."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        return contextlib.nullcontext()
+    name = f"stage folder {stage_folder}"
+    return exclusive(workdir / ".locks" / f"{stage_folder.name}.lock", name, wait, timeout)
 
 
 def _start_time(pid: int) -> str | None:

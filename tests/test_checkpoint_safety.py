@@ -160,3 +160,30 @@ def test_non_finite_gradients_name_the_step(tiny_path, tmp_path):
     with pytest.raises(TrainingError, match=r"non-finite gradient norm \(\w+\) at step 1 with a finite loss"):
         trainer.train()
     assert latest_checkpoint(tmp_path) is None
+
+
+def test_online_trainer_state_resumes_from_safetensors_and_json(tiny_path, tmp_path):
+    """The KL controller (a trainer state registered with the engine) is in the checkpoint's JSON,
+    and a resumed PPO run continues with the same coefficient and parameters as a straight run."""
+    from verl_core.algorithms.ppo import PPOTrainer
+    from verl_core.policies import LLMPolicy
+
+    def ppo(out, callbacks=()):
+        settings = dict(batch_size=8, mini_batch_size=8, ppo_epochs=1, max_steps=2, save_steps=1, max_new_tokens=8)
+        settings.update(adaptive_kl=True, kl_target=0.01, kl_horizon=2, progress=False, logging_steps=1, seed=2)
+        return PPOTrainer(
+            policy=LLMPolicy.from_pretrained(str(tiny_path)), output_dir=str(out), callbacks=list(callbacks), **settings
+        )
+
+    straight = ppo(tmp_path / "straight")
+    straight_history = straight.train().history
+    with pytest.raises(KeyboardInterrupt):
+        ppo(tmp_path / "resumed", [_Kill(at=1)]).train()
+    saved = json.loads((latest_checkpoint(tmp_path / "resumed") / "training_state.json").read_text())
+    assert "kl_controller" in dict(saved["dict"])
+    resumed = ppo(tmp_path / "resumed")
+    result = resumed.train()
+    assert result.resumed_from_step == 1 and result.steps == 2
+    assert result.history["kl_coef"] == straight_history["kl_coef"][1:]
+    a, b = straight.engine.unwrapped.state_dict(), resumed.engine.unwrapped.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

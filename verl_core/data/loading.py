@@ -20,7 +20,8 @@ def load_rows(source: Any, split: str = "train") -> datasets.Dataset:
 
     ``source`` may be a Dataset, a DatasetDict (``split`` is taken), a list of dicts,
     a file path (``.jsonl``, ``.json``, ``.parquet``, ``.csv``, optionally ``.gz``), a
-    folder written by ``save_to_disk``, or a hub dataset id (needs network).
+    folder written by ``save_to_disk``, or a hub dataset id written ``hf://org/name`` (needs network;
+    see :mod:`verl_core.hub`).
     """
     ds = _load(source, split)
     if len(ds) == 0:

@@ -238,7 +238,7 @@ class PipelineConfig(StrictConfig):
     """Everything one run of the RLHF pipeline needs."""
 
     name: str = "rlhf"
-    base_model: str | None = Field(None, description="folder or hub id; null = the embedded tiny model")
+    base_model: str | None = Field(None, description="folder, or hub id as hf://org/name; null = the embedded tiny model")
     workdir: str = Field("runs", description="stage outputs, Prefect results and the default MLflow store")
     sft: SFTStageConfig = Field(default_factory=SFTStageConfig)
     preference_data: PreferenceDataStageConfig = Field(default_factory=PreferenceDataStageConfig)

@@ -162,6 +162,7 @@ def test_non_finite_gradients_name_the_step(tiny_path, tmp_path):
     assert latest_checkpoint(tmp_path) is None
 
 
+@pytest.mark.slow
 def test_online_trainer_state_resumes_from_safetensors_and_json(tiny_path, tmp_path):
     """The KL controller (a trainer state registered with the engine) is in the checkpoint's JSON,
     and a resumed PPO run continues with the same coefficient and parameters as a straight run."""

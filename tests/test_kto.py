@@ -132,6 +132,7 @@ def test_empty_completion_is_rejected(tiny_path, unpaired):
         KTOTrainer(str(tiny_path), train_dataset=rows, **QUIET)
 
 
+@pytest.mark.slow
 def test_unpaired_rows_train_kto_through_the_pipeline_stage(tiny_path, tmp_path):
     """KTO reads unpaired rows given as the preference data (issue 18: KeyError 'chosen' before);
     a pairs-only algorithm refuses them naming the file."""

@@ -188,3 +188,22 @@ def test_online_trainer_state_resumes_from_safetensors_and_json(tiny_path, tmp_p
     assert result.history["kl_coef"] == straight_history["kl_coef"][1:]
     a, b = straight.engine.unwrapped.state_dict(), resumed.engine.unwrapped.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_partial_model_folders_of_dead_processes_are_removed(tiny_path, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from verl_core.models import load_causal_lm, load_tokenizer, save_pretrained_atomic
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    dead, live = tmp_path / f".model-{proc.pid}-abc", tmp_path / f".model-{os.getppid()}-def"
+    for partial in (dead, live):
+        partial.mkdir()
+        (partial / "model.safetensors").write_bytes(b"half")
+    save_pretrained_atomic(load_causal_lm(tiny_path), load_tokenizer(tiny_path), tmp_path / "model")
+    assert not dead.exists() and live.exists()  # a live writer's folder is left alone
+    assert (tmp_path / "model" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model", live.name])

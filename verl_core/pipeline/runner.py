@@ -18,6 +18,8 @@ from verl_core.pipeline.records import HISTORY_FILE, RECORD_FILE, StageContext, 
 from verl_core.pipeline.registry import stage_for, variant_of
 from verl_core.pipeline.workdir_lock import stage_lock
 
+TABLES_FILE = "tables.json"
+
 
 def run_stage(
     config: PipelineConfig,
@@ -54,6 +56,8 @@ def _run_locked(config, name, stage, key, out_dir: Path, inputs, callbacks, run_
             # the model and artifacts are logged again by the new run (and registered if a killed attempt did not)
             reused = StageOutput(Path(record.output_path), record.metrics, history, model_to_log=record.extra.get("model_to_log"))
             reused.artifacts = [Path(p) for p in record.extra.get("artifacts", []) if Path(p).is_file()]
+            tables = out_dir / TABLES_FILE
+            reused.tables = json.loads(tables.read_text()) if tables.is_file() else {}
             return StageResult(record, reused, reused=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = StageContext(
@@ -75,6 +79,8 @@ def _run_locked(config, name, stage, key, out_dir: Path, inputs, callbacks, run_
         record.extra["model_to_log"] = str(output.model_to_log)
     if output.artifacts:
         record.extra["artifacts"] = [str(p) for p in output.artifacts]
+    if output.tables:  # kept, so that a rerun reusing this folder publishes them again
+        (out_dir / TABLES_FILE).write_text(json.dumps(output.tables, default=str))
     if output.history:
         (out_dir / HISTORY_FILE).write_text(json.dumps(output.history))
         record.extra["history"] = str(out_dir / HISTORY_FILE)

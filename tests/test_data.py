@@ -165,3 +165,13 @@ def test_unpaired_rows_labels_and_conversion(tok):
         tokenize_unpaired([{"prompt": "Q:", "completion": " 3"}], tok)
     with pytest.raises(DataError, match="field 'label' must be true or false"):
         tokenize_unpaired([{"prompt": "Q:", "completion": " 3", "label": "yes"}], tok)
+
+
+def test_csv_keeps_text_as_text_and_reads_labels_as_booleans(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text('prompt,completion,label\n"Q: 1+1=",2,true\n"Q: say ""hi""",007,FALSE\n')
+    rows = load_rows(str(path)).to_list()
+    assert rows == [
+        {"prompt": "Q: 1+1=", "completion": "2", "label": True},
+        {"prompt": 'Q: say "hi"', "completion": "007", "label": False},
+    ]

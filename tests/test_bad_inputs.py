@@ -33,7 +33,7 @@ class Case:
     name: str
     error: type[UserError]
     match: str
-    files: dict[str, str | bytes]
+    files: dict[str, str | bytes | None]  # None deletes
     run: Callable[[Path, object], object]
     fixed: dict[str, str | bytes]
 
@@ -313,6 +313,14 @@ CASES = [
         {"m": "TINY"},
     ),
     Case(
+        "hostile pytorch_model.bin",
+        ModelLoadError,
+        r"cannot load AutoModelForCausalLM from .*/m: .*Unpickl",
+        {"m": "TINY", "m/model.safetensors": None, "m/pytorch_model.bin": pickle.dumps(_Payload())},
+        lambda d, tok: load_causal_lm(d / "m"),
+        {"m": "TINY"},
+    ),
+    Case(
         "missing local model path",
         ModelLoadError,
         r"model path does not exist: .*typo",
@@ -352,9 +360,12 @@ FIX_OVERRIDES = {  # config cases are fixed by a different call, not different f
 }
 
 
-def _write(folder: Path, files: dict[str, str | bytes], tiny_path: Path) -> None:
+def _write(folder: Path, files: dict[str, str | bytes | None], tiny_path: Path) -> None:
     for name, content in files.items():
         path = folder / name
+        if content is None:
+            path.unlink()
+            continue
         if content == "TINY":
             shutil.rmtree(path, ignore_errors=True)
             shutil.copytree(tiny_path, path)

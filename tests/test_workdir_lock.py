@@ -23,13 +23,17 @@ def _dead_pid() -> int:
 
 
 def _hold_lock_in_a_subprocess(path, seconds: float) -> subprocess.Popen:
+    """Another live process holding the lock, written the way ``exclusive`` writes it (plain Python:
+    importing verl_core in the child would only add seconds)."""
     code = (
-        "import sys, time; from pathlib import Path; from verl_core.pipeline.workdir_lock import exclusive\n"
-        f"with exclusive(Path({str(path)!r}), 'workdir'):\n    print('held', flush=True); time.sleep({seconds})"
+        "import json, os, socket, sys, time\n"
+        f"path = {str(path)!r}\n"
+        "fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)\n"
+        "os.write(fd, json.dumps({'pid': os.getpid(), 'host': socket.gethostname(), 'since': time.time()}).encode())\n"
+        "os.close(fd); print('held', flush=True)\n"
+        f"time.sleep({seconds}); os.unlink(path)"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()}
-    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -94,6 +98,7 @@ def test_owner_tags_tell_a_dead_process_from_a_live_one():
     assert owner_gone({**owner_tags(), "verl_core.pid": "1", "verl_core.pid_start": "0"})
 
 
+@pytest.mark.slow  # creating a fresh MLflow SQLite store (schema migrations) takes seconds
 def test_runs_left_running_by_a_dead_process_are_ended_killed_with_a_note(tmp_path):
     from verl_core.pipeline import tracking
     from verl_core.pipeline.config import load_pipeline_config

@@ -13,19 +13,22 @@ Prefect is imported by the commands that run flows and by the `flows` package it
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import traceback
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
 from verl_core.algorithms.registry import ALGORITHMS
-from verl_core.config import ConfigError
+from verl_core.errors import UserError
 from verl_core.pipeline.config import PipelineConfig, load_pipeline_config
+from verl_core.pipeline.preflight import preflight
 from verl_core.pipeline.registry import STAGE_ORDER
 
 DEFAULT_CONFIG = Path("configs/default.yaml")
@@ -106,7 +109,11 @@ def _report(result, config: PipelineConfig) -> None:
 def cmd_run(args) -> int:
     _quiet_defaults()
     config = _config(args)
+    preflight(config)  # seconds, before Prefect starts: the flow checks again under its workdir lock
     from flows import rlhf_pipeline
+
+    if not args.debug:
+        _quiet_user_error_tracebacks()
 
     _report(rlhf_pipeline(config), config)
     return 0
@@ -115,7 +122,11 @@ def cmd_run(args) -> int:
 def cmd_stage(args) -> int:
     _quiet_defaults()
     config = _config(args)
+    preflight(config)  # seconds, before Prefect starts: the flow checks again under its workdir lock
     from flows import stage_flow
+
+    if not args.debug:
+        _quiet_user_error_tracebacks()
 
     _report(stage_flow(args.name, config), config)
     return 0
@@ -238,6 +249,10 @@ def cmd_servers(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-core", description="LLM post-training pipeline (Prefect + MLflow)")
+    parser.add_argument("--debug", action="store_true", help="print full tracebacks of errors")
+    parser.add_argument(
+        "--online", action="store_true", help="allow hub downloads (default: offline, HF_HUB_OFFLINE=1, unless already set)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     def config_args(p):
@@ -263,13 +278,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _NoUserErrorTracebacks(logging.Filter):
+    """Drop the traceback Prefect logs with a failed task or flow when the error is the user's:
+    the CLI prints its message once (``--debug`` keeps every traceback)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_user_error_tracebacks() -> None:
+    for name in ("prefect", ""):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(_NoUserErrorTracebacks())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.online:  # a typo in a local path must never start a download
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
         return args.fn(args)
-    except ConfigError as err:
-        print(f"verl-core: {err}", file=sys.stderr)
-        return 2
+    except UserError as err:
+        if args.debug:
+            traceback.print_exc()
+        kind = type(err).__name__
+        print(f"verl-core: {kind}: {err}" + ("" if args.debug else "\n(run with --debug for the traceback)"), file=sys.stderr)
+        return err.exit_code
 
 
 if __name__ == "__main__":

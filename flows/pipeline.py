@@ -13,12 +13,16 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, Field
 
+from flows.reconcile import crash_runs_of_dead_processes, tag_this_flow_run
 from tasks import task_for
 from tasks.stage_task import markdown_table, mlflow_link, publish_cached
 from verl_core.pipeline import tracking
 from verl_core.pipeline.config import PipelineConfig
+from verl_core.pipeline.preflight import preflight
+from verl_core.pipeline.reconcile import end_runs_of_dead_processes
 from verl_core.pipeline.records import PREVIOUS_ROUND, StageRecord
 from verl_core.pipeline.registry import STAGE_ORDER, given_record, stage_enabled, stage_for
+from verl_core.pipeline.workdir_lock import workdir_lock
 
 StageName = Literal[STAGE_ORDER]  # type: ignore[valid-type]
 
@@ -125,11 +129,27 @@ class PipelineRun:
 
 
 def run_pipeline(config: PipelineConfig, flow_name: str, until: str | None = None) -> PipelineResult:
-    """Every step in registry order (or just ``until`` and what it needs)."""
-    with PipelineRun(config, flow_name) as run:
-        for name in (until,) if until is not None else STAGE_ORDER:
-            run.stage(name)
+    """Every step in registry order (or just ``until`` and what it needs).
+
+    First, in seconds: the workdir and tracking URI are checked (``preflight``), the workdir is locked
+    (one writer at a time), and runs a killed attempt left RUNNING are ended (MLflow and Prefect)."""
+    preflight(config)
+    o = config.orchestration
+    with workdir_lock(config.workdir_path, wait=o.busy_workdir == "wait", timeout=o.busy_wait_seconds):
+        reconcile_killed_attempts(config)
+        with PipelineRun(config, flow_name) as run:
+            for name in (until,) if until is not None else STAGE_ORDER:
+                run.stage(name)
     return run.result
+
+
+def reconcile_killed_attempts(config: PipelineConfig) -> None:
+    from prefect.runtime import flow_run
+
+    if flow_run.id:
+        tag_this_flow_run(flow_run.id)
+    crash_runs_of_dead_processes()
+    end_runs_of_dead_processes(config)
 
 
 DEFAULT_CONFIG = PipelineConfig()

@@ -18,6 +18,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import CacheKeyFnPolicy
 
 from verl_core.callbacks import Callback, MLflowCallback
+from verl_core.errors import UserError
 from verl_core.pipeline import model_registry, tracking
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.keys import stage_key
@@ -40,12 +41,19 @@ def _cache_key(_ctx, parameters: dict[str, Any]) -> str:
     result_serializer="json",
     retries=1,
     retry_delay_seconds=2,
+    retry_condition_fn=lambda task, task_run, state: retryable(state),
 )
 def stage_task(
     stage: str, config: PipelineConfig, inputs: Inputs, parent_run_id: str | None = None, round: int | None = None
 ) -> StageRecord:
     """Compute pipeline step ``stage`` (round ``round`` of it) from its inputs' records (cached on its key)."""
     return execute(stage, config, inputs, parent_run_id, round)
+
+
+def retryable(state) -> bool:
+    """Retry transient failures only: an error in what the user gave (:class:`UserError`: config,
+    data, model, checkpoint, workdir, tracking URI) fails the same way on every attempt."""
+    return not isinstance(state.result(raise_on_failure=False), UserError)
 
 
 def task_for(stage: str, config: PipelineConfig, round: int | None = None) -> Task:
@@ -119,7 +127,11 @@ def _register(config: PipelineConfig, result: StageResult, inputs: Inputs, run_i
     """The evaluated policy as a registered model version (the input whose folder the stage names)."""
     target = result.output.model_to_log
     final = next((r for r in inputs.values() if r is not None and target and r.output_path == str(target)), None)
-    return model_registry.register_policy(config, final, result.record.metrics, run_id, parent_run_id) if final else None
+    return (
+        model_registry.register_policy(config, final, result.record.metrics, run_id, parent_run_id, result.record.cache_key)
+        if final
+        else None
+    )
 
 
 def _fmt(value: Any) -> str:

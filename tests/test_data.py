@@ -58,8 +58,10 @@ def test_load_errors_name_the_problem(tmp_path):
         load_rows(tmp_path / "x.txt")
     with pytest.raises(DataError, match="row 1: expected a dict"):
         load_rows([{"a": 1}, "oops"])
+    with pytest.raises(DataError, match="does not exist: someone/some-dataset .*hf://"):
+        load_rows("someone/some-dataset")  # a bare org/name is a local path unless hub ids are allowed
     with pytest.raises(DataError, match="hub downloads are off"):
-        load_rows("someone/some-dataset")
+        load_rows("hf://someone/some-dataset")
 
 
 def test_sft_masks_only_completion_tokens(tok):
@@ -161,5 +163,15 @@ def test_unpaired_rows_labels_and_conversion(tok):
     assert [e["label"] for e in ex] == [True, False]
     with pytest.raises(DataError, match="row 0: missing field 'label'"):
         tokenize_unpaired([{"prompt": "Q:", "completion": " 3"}], tok)
-    with pytest.raises(DataError, match="field 'label' must be a bool"):
+    with pytest.raises(DataError, match="field 'label' must be true or false"):
         tokenize_unpaired([{"prompt": "Q:", "completion": " 3", "label": "yes"}], tok)
+
+
+def test_csv_keeps_text_as_text_and_reads_labels_as_booleans(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text('prompt,completion,label\n"Q: 1+1=",2,true\n"Q: say ""hi""",007,FALSE\n')
+    rows = load_rows(str(path)).to_list()
+    assert rows == [
+        {"prompt": "Q: 1+1=", "completion": "2", "label": True},
+        {"prompt": 'Q: say "hi"', "completion": "007", "label": False},
+    ]

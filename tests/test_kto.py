@@ -130,3 +130,27 @@ def test_empty_completion_is_rejected(tiny_path, unpaired):
     rows = unpaired[:2] + [{**unpaired[2], "completion": " "}]
     with pytest.raises(DataError, match="row 2: field 'completion' is empty"):
         KTOTrainer(str(tiny_path), train_dataset=rows, **QUIET)
+
+
+@pytest.mark.slow
+def test_unpaired_rows_train_kto_through_the_pipeline_stage(tiny_path, tmp_path):
+    """KTO reads unpaired rows given as the preference data (issue 18: KeyError 'chosen' before);
+    a pairs-only algorithm refuses them naming the file."""
+    import json
+
+    from verl_core.fingerprint import fingerprint_path
+    from verl_core.pipeline import StageRecord, load_pipeline_config, run_stage
+
+    rows = [{"prompt": f"Q: {i}+1=", "completion": f" {i + 1 if i % 2 else i}", "label": bool(i % 2)} for i in range(8)]
+    data = tmp_path / "unpaired.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    inputs = {
+        "sft": StageRecord(stage="sft", output_path=str(tiny_path), fingerprint=fingerprint_path(tiny_path)),
+        "preference_data": StageRecord(stage="preference_data", output_path=str(data), fingerprint=fingerprint_path(data)),
+    }
+    sets = [f"workdir={tmp_path / 'w'}", "policy_optimisation.kto.max_steps=2", "policy_optimisation.kto.batch_size=4"]
+    sets += ["policy_optimisation.kto.progress=false"]
+    result = run_stage(load_pipeline_config(None, [*sets, "policy_optimisation.algorithm=kto"]), "policy_optimisation", inputs)
+    assert result.record.extra["steps"] == 2
+    with pytest.raises(DataError, match=r"unpaired\.jsonl holds unpaired rows .* dpo needs pairs"):
+        run_stage(load_pipeline_config(None, [*sets, "policy_optimisation.algorithm=dpo"]), "policy_optimisation", inputs)

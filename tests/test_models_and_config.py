@@ -28,8 +28,10 @@ def test_bad_model_paths_are_clear(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="has no config.json"):
         load_causal_lm(tmp_path / "empty")
+    with pytest.raises(ModelLoadError, match="does not exist: someone/some-model .*hf://"):
+        load_tokenizer("someone/some-model")  # never a download: a local path unless marked or allowed
     with pytest.raises(ModelLoadError, match="hub downloads are off"):
-        load_tokenizer("someone/some-model")
+        load_tokenizer("hf://someone/some-model")
 
 
 def test_reward_model_has_one_output_and_lora_wraps(tiny_path):

@@ -253,3 +253,20 @@ def test_pairing_and_labelling_rules():
     assert [(r["completion"], r["label"]) for r in rows["unpaired"]] == [("a", True), ("b", False), ("c", False)]
     assert [(r["completion"], r["score"]) for r in rows["best_of_n"]] == [("a", 1.0), ("x", 0.5)]
     assert stats["reward"]["mean"] == pytest.approx(sum(x["score"] for x in samples) / len(samples))
+
+
+def test_a_moved_workdir_keeps_the_fingerprint(tiny_path, tmp_path):
+    """Provenance and shard manifest hold paths relative to the output, so the same inputs in another
+    folder give the same bytes (issue 18: a moved workdir recomputed the preference data)."""
+    import shutil
+
+    from verl_core.fingerprint import fingerprint_path
+
+    fingerprints = []
+    for where in ("a", "elsewhere/b"):
+        work = tmp_path / where
+        shutil.copytree(tiny_path, work / "policy")
+        out = generate_preference_data(work / "policy", arithmetic.prompt_rows(8), PreferenceDataConfig(**SMALL), work / "out")
+        assert str(tmp_path) not in (out.output_dir / "provenance.json").read_text()
+        fingerprints.append(fingerprint_path(out.output_dir))
+    assert fingerprints[0] == fingerprints[1]

@@ -8,17 +8,22 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from verl_core.errors import UserError
+
 T = TypeVar("T", bound="StrictConfig")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration that cannot be used: unknown key, wrong type, bad value."""
+
+    exit_code = 2  # a usage error, like argparse's
 
 
 class StrictConfig(BaseModel):
     """Base for every config: unknown keys are an error, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # allow_inf_nan=False: a NaN or inf hyper-parameter (learning_rate: .inf passes gt=0) is an error
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
     def __init__(self, **data: Any):
         try:
@@ -38,12 +43,19 @@ class StrictConfig(BaseModel):
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            with open(path, encoding="utf-8") as f:  # a stream, so that YAML errors name the file
+                data = yaml.safe_load(f) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path} is not valid YAML: {err}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
         for dotted, value in (overrides or {}).items():
             set_dotted(data, dotted, value)
-        return cls.from_dict(data, source=str(path))
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(_describe(err, cls.__name__, str(path), set(overrides or {}))) from None
 
     def to_yaml(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False))
@@ -64,11 +76,25 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def _describe(err: ValidationError, name: str, source: str) -> str:
-    lines = [f"invalid {name} in {source}:"]
+def _describe(err: ValidationError, name: str, source: str, overridden: set[str] = frozenset()) -> str:
+    """One line per problem; a key set by an override (``--set``) is blamed on it, not on the file."""
+    lines = [f"invalid {name} in {source}" + (" with overrides:" if overridden else ":")]
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden":
+        by = next((k for k in overridden if where == k or where.startswith(k + ".") or k.startswith(where + ".")), None)
+        if by is not None:
+            where = f"{where} (from --set {by})"
+        nested = (e.get("ctx") or {}).get("error")
+        if isinstance(nested, ConfigError):  # a section's own validation: its lines, prefixed with where it sits
+            prefix = "" if where == "(top level)" else f"{where}."
+            for line in str(nested).splitlines()[1:]:
+                inner = line.strip()
+                if inner.startswith("unknown key '"):
+                    inner = f"unknown key '{prefix}{inner[len('unknown key ') + 1 :]}"
+                else:
+                    inner = prefix + inner
+                lines.append(f"  {inner}" + (f" (from --set {by})" if by else ""))
+        elif e["type"] == "extra_forbidden":
             lines.append(f"  unknown key {where!r}")
         else:
             lines.append(f"  {where}: {e['msg']} (got {e.get('input')!r})")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,17 +23,17 @@ from typing import Any
 
 import torch
 
+from verl_core.batches import micro_batch_indices, steps_for, to_device
 from verl_core.callbacks import Callback, HistoryCallback
 from verl_core.checkpoints import CHECKPOINT_PREFIX, CHECKPOINTS_DIR, ENGINE_STATE, checkpoint_step, latest_checkpoint  # noqa: F401
+from verl_core.errors import TrainingError
 from verl_core.precision import allow_precision_change
 from verl_core.progress import progress_bar
+from verl_core.state_io import load_training_state, read_text, refuse_pickles, save_training_state
 from verl_core.train_config import TrainConfig
+from verl_core.update_checks import check_gradients, check_loss, check_update, update_overflowed
 
 log = logging.getLogger("verl_core")
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (non-finite loss, too little data, ...)."""
 
 
 @dataclass
@@ -78,18 +77,6 @@ class _Progress:
     def load_state_dict(self, state: dict[str, int]) -> None:
         # checkpoints from before the two counters had one; offline they are equal
         self.step, self.optimizer_steps = int(state["step"]), int(state.get("optimizer_steps", state["step"]))
-
-
-def micro_batch_indices(n_rows: int, step: int, batch_size: int, seed: int, rank: int, world: int, accum: int) -> list[list[int]]:
-    """Row indices of this process's micro-batches for optimizer step ``step`` (0-based)."""
-    per_epoch = n_rows // batch_size
-    epoch, k = divmod(step, per_epoch)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(n_rows, generator=gen)[k * batch_size : (k + 1) * batch_size].tolist()
-    per_rank = batch_size // world
-    mine = order[rank * per_rank : (rank + 1) * per_rank]
-    micro = per_rank // accum
-    return [mine[i * micro : (i + 1) * micro] for i in range(accum)]
 
 
 class Engine:
@@ -141,9 +128,17 @@ class Engine:
             name, self.optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=self.total_optimizer_steps
         )
         self.progress = _Progress()
-        self.accelerator.register_for_checkpointing(self.scheduler, self.progress)
+        # what a checkpoint holds besides the model (safetensors + JSON: verl_core.state_io, no pickles)
+        self.states: dict[str, Any] = {"optimizer": self.optimizer, "scheduler": self.scheduler, "progress": self.progress}
+        if self.accelerator.scaler is not None:
+            self.states["grad_scaler"] = self.accelerator.scaler
         self.params = params
         self.resumed_from_step = 0
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Add a trainer's state (an object with ``state_dict``/``load_state_dict`` of plain data and
+        tensors) to what checkpoints save and resume restores."""
+        self.states[name] = obj
 
     @property
     def step(self) -> int:
@@ -175,12 +170,8 @@ class Engine:
             sync = i == len(micro_batches) - 1
             ctx = acc.no_sync(self.model) if not sync and acc.num_processes > 1 else contextlib.nullcontext()
             with ctx:
-                out = loss_fn(self.model, _to_device(mb, acc.device))
-                if not torch.isfinite(out.loss_sum.detach()):
-                    raise TrainingError(
-                        f"non-finite loss ({out.loss_sum.item()}) at step {self.step + 1}, micro-batch {i}; "
-                        "lower the learning rate or check the data; nothing was saved for this step"
-                    )
+                out = loss_fn(self.model, to_device(mb, acc.device))
+                check_loss(out.loss_sum, self.step + 1, i, self.params)
                 acc.backward(out.loss_sum)
             count = float(out.count)
             total_count += count
@@ -199,14 +190,26 @@ class Engine:
         for p in self.params:
             if p.grad is not None:
                 p.grad.mul_(scale)
-        grad_norm = float("nan")
-        if self.config.max_grad_norm is not None:
-            grad_norm = float(acc.clip_grad_norm_(self.params, self.config.max_grad_norm))
-        self.optimizer.step()
+        cfg, mean_loss = self.config, stats[1].item() / global_count
+        if cfg.max_grad_norm is not None:
+            grad_norm = float(acc.clip_grad_norm_(self.params, cfg.max_grad_norm))
+        else:
+            grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None]))
+        if acc.scaler is None:  # a loss scaler skips steps with inf gradients by design
+            check_gradients(grad_norm, mean_loss, self.step + 1)
+        settings = (
+            f"learning_rate={cfg.learning_rate}, adam_betas={cfg.adam_betas}, weight_decay={cfg.weight_decay}, "
+            f"max_grad_norm={cfg.max_grad_norm}"
+        )
+        try:
+            self.optimizer.step()
+        except RuntimeError as err:
+            raise update_overflowed(err, self.step + 1, settings) from None
+        check_update(self.params, self.step + 1, mean_loss, grad_norm, settings)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.optimizer_steps += 1
-        metrics = {"loss": stats[1].item() / global_count, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm}
+        metrics = {"loss": mean_loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm}
         metrics.update({k: stats[2 + j].item() / global_count for j, k in enumerate(sorted(weighted))})
         if self.is_main:  # the metrics are already global (reduced above), so one process reports them
             for cb in self.callbacks:
@@ -329,7 +332,7 @@ class Engine:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp), safe_serialization=True)
+        save_training_state(acc, self.model, self.states, tmp)
         acc.wait_for_everyone()
         if self.is_main:
             state = {
@@ -353,14 +356,15 @@ class Engine:
         ckpt = latest_checkpoint(self.config.output_dir) if self.config.resume and self.config.output_dir else None
         if ckpt is None:
             return 0
-        state = json.loads((ckpt / ENGINE_STATE).read_text())
+        refuse_pickles(ckpt)
+        state = json.loads(read_text(ckpt / ENGINE_STATE))
         made_for = (state["total_steps"], state.get("total_optimizer_steps", self.total_optimizer_steps))
         if made_for != (self.total_steps, self.total_optimizer_steps):
             raise TrainingError(
                 f"checkpoint {ckpt} was made for {made_for[0]} steps ({made_for[1]} optimizer steps), this run "
                 f"has {self.total_steps} ({self.total_optimizer_steps}); use a new output_dir or set resume=False"
             )
-        self.accelerator.load_state(str(ckpt))
+        load_training_state(self.accelerator, self.model, self.states, ckpt)
         log.info("resumed from %s at step %d", ckpt, self.step)
         return self.step
 
@@ -371,18 +375,4 @@ def _mean(window: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(vals) / len(vals) for k in keys for vals in [[m[k] for m in window if k in m]]}
 
 
-def steps_for(config: TrainConfig, n_rows: int) -> int:
-    if config.max_steps is not None:
-        return config.max_steps
-    per_epoch = n_rows // config.batch_size
-    if per_epoch == 0:
-        raise TrainingError(f"dataset has {n_rows} rows, fewer than batch_size {config.batch_size}")
-    return max(1, math.ceil(per_epoch * config.num_epochs))
-
-
-def _to_device(batch, device):
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
+__all__ = ["Engine", "LossOutput", "TrainResult", "TrainingError", "micro_batch_indices", "steps_for"]

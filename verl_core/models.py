@@ -10,13 +10,15 @@ import torch
 from pydantic import Field
 
 from verl_core.config import StrictConfig
+from verl_core.errors import UserError
+from verl_core.hub import hub_id, hub_offline, not_found_hint
 from verl_core.progress import quiet_library_bars
 
 DType = Literal["float32", "bfloat16", "float16"]
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError, ValueError):
     """A model or tokenizer that cannot be loaded; the message says which and why."""
 
 
@@ -35,11 +37,12 @@ def _check_source(path: str | os.PathLike) -> str:
         if not (Path(text).expanduser() / "config.json").is_file():
             raise ModelLoadError(f"model folder {text} has no config.json; is it a save_pretrained folder?")
         return str(Path(text).expanduser())
-    if text.startswith((".", "/", "~")) or Path(text).exists() or text.count("/") > 1:
-        raise ModelLoadError(f"model path does not exist: {text}")
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
+    repo = hub_id(text)
+    if repo is None or Path(text).exists():
+        raise ModelLoadError(f"model path does not exist: {text} {not_found_hint(text)}")
+    if hub_offline():
         raise ModelLoadError(f"{text!r} is not a local folder and hub downloads are off (HF_HUB_OFFLINE=1)")
-    return text
+    return repo
 
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
@@ -48,8 +51,8 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     source = _check_source(path)
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load tokenizer from {source}: {err}") from None
+    except Exception as err:  # any loader failure (truncated file, refused pickle) is about this folder
+        raise ModelLoadError(f"cannot load tokenizer from {source}: {type(err).__name__}: {err}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -60,8 +63,8 @@ def _from_pretrained(auto_cls, path, dtype: DType, trust_remote_code: bool, **kw
     quiet_library_bars()  # off a terminal "Loading weights" would write a frame per tensor into the log
     try:
         return auto_cls.from_pretrained(source, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load {auto_cls.__name__} from {source}: {err}") from None
+    except Exception as err:  # a truncated model.safetensors, a .bin refused by weights_only loading, ...
+        raise ModelLoadError(f"cannot load {auto_cls.__name__} from {source}: {type(err).__name__}: {err}") from None
 
 
 def load_causal_lm(
@@ -121,6 +124,21 @@ def is_peft(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
+def _remove_partial_writes(target: Path) -> None:
+    """Delete ``.<name>-<pid>-*`` folders that a killed save of ``target`` left (their process is gone)."""
+    import shutil
+
+    for partial in target.parent.glob(f".{target.name}-*"):
+        pid = partial.name[len(target.name) + 2 :].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(partial, ignore_errors=True)
+            except PermissionError:
+                pass
+
+
 def save_pretrained_atomic(model, tokenizer, target: str | os.PathLike) -> Path:
     """Write an HF folder under a temporary name, then rename it into place.
 
@@ -134,7 +152,8 @@ def save_pretrained_atomic(model, tokenizer, target: str | os.PathLike) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     if is_peft(model):
         model = model.merge_and_unload()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    _remove_partial_writes(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-{os.getpid()}-", dir=target.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:

@@ -186,7 +186,7 @@ class OnlineTrainer:
                 f"prompts per step ({c.batch_size // c.num_generations}) must split over {acc.num_processes} processes and "
                 f"mini_batch_size ({self.mini_batch_size}) over processes × gradient_accumulation_steps"
             )
-        acc.register_for_checkpointing(self.kl_ctl)
+        engine.register_state("kl_controller", self.kl_ctl)
         if self.reference is not None:
             self.reference.to(acc.device)
         if self.rewards.reward_model is not None:

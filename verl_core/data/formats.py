@@ -23,6 +23,7 @@ import logging
 from typing import Any, Literal
 
 from verl_core.data.errors import DataError
+from verl_core.data.files import names_source
 from verl_core.data.loading import load_rows
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def _rows(source: Any) -> list[dict]:
     return list(load_rows(source))
 
 
+@names_source
 def tokenize_sft(
     source: Any,
     tokenizer,
@@ -196,6 +198,7 @@ def _preference_parts(row: dict, i: int):
     return _text_or_messages(row, i, "prompt"), chosen, rejected
 
 
+@names_source
 def tokenize_pairs(
     source: Any,
     tokenizer,
@@ -234,6 +237,7 @@ def pairs_to_unpaired(rows: list[dict]) -> list[dict]:
     return out
 
 
+@names_source
 def tokenize_unpaired(
     source: Any,
     tokenizer,
@@ -256,10 +260,8 @@ def tokenize_unpaired(
         label = row.get("label")
         if label is None:
             raise DataError(f"row {i}: missing field 'label' (True = desirable, False = undesirable)")
-        if isinstance(label, int) and label in (0, 1):
-            label = bool(label)
-        if not isinstance(label, bool):
-            raise DataError(f"row {i}: field 'label' must be a bool, got {label!r}")
+        if not isinstance(label, bool):  # not 0/1 or "yes": a typo must not become a label
+            raise DataError(f"row {i}: field 'label' must be true or false (a JSON boolean), got {label!r}")
         prompt_ids = enc.prompt(prompt, i)
         if prompt_ids is not None:
             out.append(
@@ -273,6 +275,7 @@ def tokenize_unpaired(
     return _nonempty(out, "unpaired")
 
 
+@names_source
 def tokenize_prompts(
     source: Any, tokenizer, max_prompt_length: int = 256, on_long_prompt: LongPromptPolicy = "error"
 ) -> list[dict]:

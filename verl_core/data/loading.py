@@ -11,8 +11,8 @@ from typing import Any
 import datasets
 
 from verl_core.data.errors import DataError
-
-_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+from verl_core.data.files import READERS, check_column_types
+from verl_core.hub import hub_id, hub_offline, not_found_hint
 
 
 def load_rows(source: Any, split: str = "train") -> datasets.Dataset:
@@ -20,7 +20,8 @@ def load_rows(source: Any, split: str = "train") -> datasets.Dataset:
 
     ``source`` may be a Dataset, a DatasetDict (``split`` is taken), a list of dicts,
     a file path (``.jsonl``, ``.json``, ``.parquet``, ``.csv``, optionally ``.gz``), a
-    folder written by ``save_to_disk``, or a hub dataset id (needs network).
+    folder written by ``save_to_disk``, or a hub dataset id written ``hf://org/name`` (needs network;
+    see :mod:`verl_core.hub`).
     """
     ds = _load(source, split)
     if len(ds) == 0:
@@ -42,13 +43,14 @@ def _load(source: Any, split: str) -> datasets.Dataset:
     raise DataError(f"cannot load a dataset from {type(source).__name__}; give rows, a path or a hub id")
 
 
-def _from_list(rows: Iterable[Any]) -> datasets.Dataset:
+def _from_list(rows: Iterable[Any], where: str = "") -> datasets.Dataset:
     rows = list(rows)
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise DataError(f"row {i}: expected a dict, got {type(row).__name__}")
     if not rows:
         raise DataError("dataset is empty (0 rows)")
+    check_column_types(rows, where)
     try:
         return datasets.Dataset.from_list(rows)
     except (TypeError, ValueError, datasets.exceptions.DatasetGenerationError) as err:
@@ -64,23 +66,36 @@ def _from_path_or_id(text: str, split: str) -> datasets.Dataset:
             raise DataError(f"{path} is a folder but not one written by save_to_disk")
         return _load(datasets.load_from_disk(str(path)), split)
     if path.is_file():
-        suffixes = [s for s in path.suffixes if s != ".gz"]
-        builder = _FILE_BUILDERS.get(suffixes[-1] if suffixes else "")
-        if builder is None:
-            raise DataError(f"{path}: unknown file type; use one of {sorted(_FILE_BUILDERS)} (optionally .gz)")
-        try:
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
-        except Exception as err:
-            raise DataError(f"{path}: could not be read as {builder}: {err}") from None
-    looks_like_path = text.startswith((".", "/", "~")) or Path(text).suffix in _FILE_BUILDERS or text.endswith(".gz")
-    if looks_like_path or text.count("/") > 1:
-        raise DataError(f"data path does not exist: {text}")
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return _from_file(path)
+    repo = hub_id(text)
+    if repo is None:
+        raise DataError(f"data path does not exist: {text} {not_found_hint(text)}")
+    if hub_offline():
         raise DataError(f"{text!r} is not a local path, and hub downloads are off (HF_HUB_OFFLINE=1)")
     try:
-        return _load(datasets.load_dataset(text), split)
+        return _load(datasets.load_dataset(repo), split)
     except Exception as err:
-        raise DataError(f"could not load hub dataset {text!r}: {err}") from None
+        raise DataError(f"could not load hub dataset {repo!r}: {err}") from None
+
+
+def _from_file(path: Path) -> datasets.Dataset:
+    suffixes = [s for s in path.suffixes if s != ".gz"]
+    suffix = suffixes[-1] if suffixes else ""
+    if suffix == ".parquet":
+        try:
+            return datasets.load_dataset("parquet", data_files=str(path), split="train")
+        except Exception as err:
+            raise DataError(f"{path}: could not be read as parquet: {err}") from None
+    if suffix not in READERS:
+        raise DataError(f"{path}: unknown file type; use one of {sorted([*READERS, '.parquet'])} (optionally .gz)")
+    try:
+        rows, lines = READERS[suffix](path)
+    except OSError as err:
+        raise DataError(f"{path}: cannot be read ({err})") from None
+    if not rows:
+        raise DataError(f"{path} is empty: it holds no rows")
+    check_column_types(rows, f"{path} ", lines)
+    return _from_list(rows, where=f"{path} ")
 
 
 def _name(source: Any) -> str:

@@ -320,7 +320,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
 
 
 class _Checkpointable:
-    """The coefficient as a checkpointable state (``accelerator.register_for_checkpointing``)."""
+    """The coefficient as a checkpointable state (``Engine.register_state``: saved as JSON with each checkpoint)."""
 
     value: float
 

@@ -280,13 +280,17 @@ class OrchestrationConfig(StrictConfig):
     retry_delay_seconds: float = Field(2.0, ge=0)
     refresh_cache: bool = False
     keep_checkpoints: bool = False
+    busy_workdir: Literal["wait", "fail"] = Field(
+        "wait", description="when another run holds the workdir (or a stage folder): wait for it, or fail at once"
+    )
+    busy_wait_seconds: float = Field(3600.0, gt=0, description="how long to wait before failing")
 
 
 class PipelineConfig(StrictConfig):
     """Everything one run of the RLHF pipeline needs."""
 
     name: str = "rlhf"
-    base_model: str | None = Field(None, description="folder or hub id; null = the embedded tiny model")
+    base_model: str | None = Field(None, description="folder, or hub id as hf://org/name; null = the embedded tiny model")
     workdir: str = Field("runs", description="stage outputs, Prefect results and the default MLflow store")
     sft: SFTStageConfig = Field(default_factory=SFTStageConfig)
     preference_data: PreferenceDataStageConfig = Field(default_factory=PreferenceDataStageConfig)
@@ -330,5 +334,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.path=value")
         key, raw = item.split("=", 1)
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
     return out

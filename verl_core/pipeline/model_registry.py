@@ -15,6 +15,7 @@ from pathlib import Path
 from verl_core.pipeline import tracking
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.records import StageRecord
+from verl_core.pipeline.registration import KEY_TAG, registered_version
 
 CHAMPION = "champion"
 SCORE_TAG, METRIC_TAG = "heldout_score", "heldout_metric"
@@ -34,9 +35,14 @@ def register_policy(
     eval_metrics: dict[str, float],
     eval_run_id: str,
     parent_run_id: str | None = None,
+    cache_key: str | None = None,
 ) -> tuple[str, bool] | None:
     """Register ``final`` (the evaluated policy); returns (version, became champion), or None when
-    registration is off (``tracking.registered_model_name: null``)."""
+    registration is off (``tracking.registered_model_name: null``).
+
+    Once per evaluation output (``cache_key``, the evaluation stage's key, set as a version tag when
+    the version is created): a rerun after a kill during registration finds that version instead of
+    registering a second one, and finishes what the killed attempt did not (alias, run tag)."""
     name = config.tracking.registered_model_name
     if not name:
         return None
@@ -65,9 +71,14 @@ def register_policy(
     sft = eval_metrics.get(score[0].replace("/final", "/sft")) if score else None
     description = f"{final.variant or final.stage} policy" + (f", held-out {score[0]} = {score[1]:.3f}" if score else "")
     description += f" (SFT policy: {sft:.3f})" if sft is not None else ""
-    version = c.create_model_version(
-        name, source, run_id=train_run, tags={k: v for k, v in tags.items() if v}, description=description
-    ).version
+    if cache_key:
+        tags[KEY_TAG] = cache_key
+    version = registered_version(c, name, cache_key) if cache_key else None
+    if version is None:
+        version = c.create_model_version(
+            name, source, run_id=train_run, tags={k: v for k, v in tags.items() if v}, description=description
+        ).version
+    c.set_tag(eval_run_id, "verl_core.registered_version", str(version))
     champion = _is_better_than_champion(c, name, score)
     if champion:
         c.set_registered_model_alias(name, CHAMPION, version)

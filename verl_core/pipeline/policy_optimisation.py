@@ -15,11 +15,30 @@ from pathlib import Path
 from verl_core import arithmetic
 from verl_core.algorithms.registry import ALGORITHMS, Algorithm
 from verl_core.checkpoints import CHECKPOINTS_DIR
+from verl_core.data.errors import DataError
 from verl_core.pipeline.data import data_label, load_data, preference_rows_of
 from verl_core.pipeline.records import PREVIOUS_ROUND, DatasetUse, Stage, StageContext, StageOutput, Step
 from verl_core.pipeline.training import train_in_stage, train_offline
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
+UNPAIRED_FIELDS = ("prompt", "completion", "label")
+UNPAIRED_ALGORITHMS = ("kto",)  # trainers whose data may be unpaired (tokenize_unpaired)
+
+
+def offline_rows(rows: list[dict], algorithm: str, source: str) -> list[dict]:
+    """The fields ``algorithm`` trains on: pairs, or unpaired rows for an algorithm that reads them."""
+    unpaired = bool(rows) and "chosen" not in rows[0] and "completion" in rows[0]
+    if unpaired and algorithm not in UNPAIRED_ALGORITHMS:
+        raise DataError(
+            f"{source} holds unpaired rows (prompt/completion/label); {algorithm} needs pairs (prompt/chosen/rejected). "
+            f"Unpaired data trains with: {', '.join(UNPAIRED_ALGORITHMS)}"
+        )
+    fields = UNPAIRED_FIELDS if unpaired else PAIR_FIELDS
+    for i, row in enumerate(rows):
+        missing = [k for k in fields if k not in row and k != "prompt"]  # no prompt: implicit in the pair
+        if missing:
+            raise DataError(f"{source} row {i}: missing field {missing[0]!r} (rows need {', '.join(fields)})")
+    return [{k: r[k] for k in fields if r.get(k) is not None} for r in rows]
 
 
 def _prompts(cfg) -> list[dict]:
@@ -29,11 +48,12 @@ def _prompts(cfg) -> list[dict]:
 
 
 def _offline(ctx: StageContext, algorithm: Algorithm) -> StageOutput:
-    # generated pairs carry scores and indices; the trainers read prompt/chosen/rejected only
-    # (no prompt: an implicit-prompt pair, split by the trainer's tokenizer)
-    pairs = preference_rows_of(ctx.inputs["preference_data"], ctx.config.preference_data.columns)
-    rows = [{k: r[k] for k in PAIR_FIELDS if r.get(k) is not None} for r in pairs]
+    # generated pairs carry scores and indices; the trainers read prompt/chosen/rejected (or, for KTO,
+    # unpaired prompt/completion/label) only (no prompt: an implicit-prompt pair, split by the trainer's tokenizer)
     source = ctx.inputs["preference_data"].output_path
+    rows = offline_rows(
+        preference_rows_of(ctx.inputs["preference_data"], ctx.config.preference_data.columns), algorithm.name, source
+    )
     return train_offline(
         ctx,
         algorithm.trainer,

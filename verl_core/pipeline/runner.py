@@ -24,6 +24,9 @@ from verl_core.pipeline.records import (
     StageResult,
 )
 from verl_core.pipeline.registry import stage_for, variant_of
+from verl_core.pipeline.workdir_lock import stage_lock
+
+TABLES_FILE = "tables.json"
 
 
 def run_stage(
@@ -53,13 +56,28 @@ def run_stage(
         raise ConfigError(f"round {round} of {stage.name!r} needs the record of round {round - 1}")
     key = stage_key(config, name, inputs, round)
     out_dir = stage_dir(config, name, key, round)
+    o = config.orchestration
+    # one writer per stage folder; the reuse check below runs under the lock, so a run that waited
+    # for another one to finish reuses its output instead of training into the same folder again
+    with stage_lock(config.workdir_path, out_dir, wait=o.busy_workdir == "wait", timeout=o.busy_wait_seconds):
+        return _run_locked(config, name, stage, key, out_dir, inputs, callbacks, run_id, write_record, round)
+
+
+def _run_locked(
+    config, name, stage, key, out_dir: Path, inputs, callbacks, run_id, write_record: bool, round: int | None
+) -> StageResult:
     done = out_dir / RECORD_FILE
     if done.is_file():
         record = StageRecord.model_validate_json(done.read_text())
         if record.cache_key == key and Path(record.output_path).exists():
             hist = out_dir / HISTORY_FILE
             history = json.loads(hist.read_text()) if hist.is_file() else {}
-            return StageResult(record, StageOutput(Path(record.output_path), record.metrics, history), reused=True)
+            # the model and artifacts are logged again by the new run (and registered if a killed attempt did not)
+            reused = StageOutput(Path(record.output_path), record.metrics, history, model_to_log=record.extra.get("model_to_log"))
+            reused.artifacts = [Path(p) for p in record.extra.get("artifacts", []) if Path(p).is_file()]
+            tables = out_dir / TABLES_FILE
+            reused.tables = json.loads(tables.read_text()) if tables.is_file() else {}
+            return StageResult(record, reused, reused=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = StageContext(
         config,
@@ -85,6 +103,12 @@ def run_stage(
         round=round,
         extra=output.extra,
     )
+    if output.model_to_log:
+        record.extra["model_to_log"] = str(output.model_to_log)
+    if output.artifacts:
+        record.extra["artifacts"] = [str(p) for p in output.artifacts]
+    if output.tables:  # kept, so that a rerun reusing this folder publishes them again
+        (out_dir / TABLES_FILE).write_text(json.dumps(output.tables, default=str))
     if output.history:
         (out_dir / HISTORY_FILE).write_text(json.dumps(output.history))
         record.extra["history"] = str(out_dir / HISTORY_FILE)

@@ -19,6 +19,7 @@ import yaml
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.records import StageRecord, StageResult
 from verl_core.pipeline.run_summary import headline_metrics, key_params, pipeline_run_name, prefect_flow_run_url
+from verl_core.pipeline.workdir_lock import owner_tags
 
 log = logging.getLogger("verl_core")
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
@@ -119,6 +120,7 @@ def _find_run(config: PipelineConfig, tag: str, value: str) -> str | None:
 def _open(config: PipelineConfig, reuse_tag: str | None, reuse_value: str | None, name: str, tags: dict[str, str]) -> str:
     """Create a run, or resume the one tagged ``reuse_tag=reuse_value`` (a retried flow or task)."""
     c = client(config)
+    tags = {**tags, **owner_tags()}  # who writes the run: verl_core.pipeline.reconcile ends it if that process dies
     run_id = _find_run(config, reuse_tag, reuse_value) if reuse_tag and reuse_value else None
     if run_id is None:
         run_id = c.create_run(experiment_id(config), run_name=name, tags={k: v for k, v in tags.items() if v}).info.run_id

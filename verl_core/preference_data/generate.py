@@ -139,7 +139,7 @@ def generate_preference_data(
         "max_prompt_length": config.max_prompt_length,
         "reward": _describe_source(source, config.reward),
     }
-    _prepare_shard_dir(shard_dir, manifest, overwrite)
+    _prepare_shard_dir(shard_dir, _relative_paths(manifest, out), overwrite)
 
     n_shards = math.ceil(len(examples) / config.shard_size)
     todo = [i for i in range(n_shards) if _read_shard(shard_dir, i, _shard_range(i, config, len(examples)), params.n) is None]
@@ -180,6 +180,7 @@ def generate_preference_data(
         "shards": n_shards,
     }
     paths["provenance"] = out / "provenance.json"
+    provenance = _relative_paths(provenance, out)  # a moved workdir keeps the output's bytes and fingerprint
     _write_atomic(paths["provenance"], json.dumps(provenance, indent=2, sort_keys=True) + "\n")
     return PreferenceDataResult(out, paths, counts, stats, provenance)
 
@@ -292,3 +293,15 @@ def _write_dataset(rows: list[dict], columns: list[str], out: Path, kind: str, f
         os.replace(tmp, target)
         paths[f"{kind}_parquet"] = target
     return paths
+
+
+def _relative_paths(data: Any, out: Path) -> Any:
+    """``data`` with every absolute path that exists written relative to ``out`` (the output folder)."""
+
+    if isinstance(data, dict):
+        return {k: _relative_paths(v, out) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_relative_paths(v, out) for v in data]
+    if isinstance(data, str) and os.path.isabs(data) and Path(data).exists():
+        return os.path.relpath(Path(data).resolve(), out.resolve())
+    return data

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Optional
 
+from verl_core.errors import UserError
+
 RewardFn = Callable[[Sequence[str], Sequence[Optional[str]]], list[float]]
 
 RULE_REWARDS: dict[str, RewardFn] = {}
@@ -26,7 +28,7 @@ RULE_REWARDS: dict[str, RewardFn] = {}
 _NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
 
-class RewardError(ValueError):
+class RewardError(UserError, ValueError):
     """A reward function raised, returned the wrong number of scores, or a non-finite one."""
 
     def __init__(self, reward_name: str, index: int | None, problem: str, completion: str | None):

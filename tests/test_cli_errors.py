@@ -1,0 +1,56 @@
+"""User errors on the CLI: one message, exit 2 for configuration and 1 otherwise, traceback only
+with --debug, checked before Prefect starts; and the stage task does not retry them (issue 18)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from flows.cli import main
+
+
+def test_a_config_error_is_one_message_and_exit_2(capsys):
+    assert main(["config", "--set", "sft.learning_rate=.inf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("verl-core: ConfigError: ") and "sft.learning_rate: Input should be a finite number" in err
+    assert "Traceback" not in err and "--debug" in err
+
+
+def test_debug_prints_the_traceback(capsys):
+    assert main(["--debug", "config", "--set", "sft.nope=1"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "unknown key 'sft.nope'" in err
+
+
+@pytest.mark.parametrize(
+    "sets, error",
+    [
+        (["workdir={tmp}/afile"], "WorkdirError: workdir .*afile is a file"),
+        (
+            ["workdir={tmp}/w", "tracking.uri=http://127.0.0.1:9"],
+            "TrackingError: MLflow tracking URI http://127.0.0.1:9 cannot be reached",
+        ),
+    ],
+)
+def test_workdir_and_tracking_fail_in_seconds_before_any_training(tmp_path, capsys, sets, error):
+    import re
+
+    (tmp_path / "afile").write_text("x")
+    start = time.monotonic()
+    code = main(["run", *[a for s in sets for a in ("--set", s.format(tmp=tmp_path))]])
+    took = time.monotonic() - start
+    err = capsys.readouterr().err
+    assert code == 1 and re.search(error, err) and "Traceback" not in err, err
+    assert took < 15, took  # the 5 s connection limit plus imports on a busy machine; was 117-262 s
+    assert not (tmp_path / "w" / "stages").exists()
+
+
+def test_user_errors_are_not_retried_other_failures_are():
+    from prefect.states import Failed
+
+    from tasks.stage_task import retryable
+    from verl_core.data.errors import DataError
+
+    assert not retryable(Failed(data=DataError("d.jsonl line 2: not valid JSON")))
+    assert retryable(Failed(data=ConnectionResetError("peer went away")))

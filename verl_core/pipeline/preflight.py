@@ -1,0 +1,71 @@
+"""Checks that fail in seconds, before any training: the workdir and the MLflow tracking URI.
+
+Without them a read-only workdir failed after minutes of training (at the first checkpoint) and an
+unreachable tracking server after MLflow's own retries (~4 minutes). Each failure is a
+:class:`~verl_core.errors.WorkdirError` or :class:`~verl_core.errors.TrackingError` naming the
+path or URI. Creating a fresh SQLite store is done here under a lock next to the database, since
+two processes creating its schema at once crash inside MLflow.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from verl_core.errors import TrackingError, WorkdirError
+from verl_core.pipeline import tracking
+from verl_core.pipeline.config import PipelineConfig
+from verl_core.pipeline.workdir_lock import exclusive
+
+TRACKING_TIMEOUT_S = 5.0
+
+
+def writable_folder(path: Path, what: str) -> None:
+    if path.exists() and not path.is_dir():
+        raise WorkdirError(f"{what} {path} is a file, not a folder; choose another path or move the file")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise WorkdirError(
+            f"{what} {path} is not writable ({err.strerror or err}); check its permissions and free space"
+        ) from None
+
+
+def check_workdir(config: PipelineConfig) -> None:
+    writable_folder(config.workdir_path, "workdir")
+    writable_folder(config.result_storage_path, "orchestration.result_storage")
+
+
+def check_tracking(config: PipelineConfig) -> None:
+    """Reach the tracking server (HTTP: its /health within a few seconds) or create the SQLite store."""
+    uri = tracking.tracking_uri(config)
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=TRACKING_TIMEOUT_S) as resp:
+                if resp.status >= 500:
+                    raise TrackingError(f"MLflow tracking server {uri} answers {resp.status}; check the server")
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            reason = getattr(err, "reason", err)
+            raise TrackingError(
+                f"MLflow tracking URI {uri} cannot be reached within {TRACKING_TIMEOUT_S:.0f}s ({reason}); start the "
+                "server (`verl-core servers`), fix tracking.uri / MLFLOW_TRACKING_URI, or unset them to use a "
+                "SQLite store in the workdir"
+            ) from None
+    elif uri.startswith("sqlite:///"):
+        db = Path(uri.removeprefix("sqlite:///"))
+        writable_folder(db.parent, "MLflow store folder")
+        with exclusive(db.with_name(db.name + ".lock"), f"MLflow store {db}"):
+            try:
+                tracking.experiment_id(config)  # creates the schema and the experiment, one process at a time
+            except Exception as err:
+                raise TrackingError(f"MLflow store {uri} cannot be opened: {type(err).__name__}: {err}") from None
+
+
+def preflight(config: PipelineConfig) -> None:
+    check_workdir(config)
+    check_tracking(config)

@@ -13,14 +13,13 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ray]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ray,test]'  # test: lightning for the Lightning example's test; ray: the Ray launcher
 	rm -f $(VENV)/.installed-* && touch $@
 
 run: $(STAMP)
 	$(PY) -m flows.cli run $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,test]'  # the test extra: lightning, for the Lightning example's test
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(ARGS)  # no path given: pyproject testpaths (tests/)
 
 # `make bench`: the realistic-shape table (bench/realistic.py, options in REALISTIC_ARGS), then the

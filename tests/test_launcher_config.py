@@ -41,7 +41,7 @@ def test_a_stage_launcher_overrides_the_pipeline_default():
     [
         (["launcher.num_processes=2"], "kind 'local' trains in the flow-run process"),
         (["launcher.kind=mpi"], "kind: Input should be 'local', 'torchrun' or 'ray'"),
-        (["launcher.kind=torchrun", "launcher.nproc=2"], "unknown key 'nproc'"),
+        (["launcher.kind=torchrun", "launcher.nproc=2"], "unknown key 'launcher.nproc'"),
         (["launcher.kind=torchrun", "launcher.num_machines=2"], "needs rdzv_endpoint"),
         (["launcher.kind=torchrun", "launcher.ray_address=auto"], "ray_address is a ray setting"),
         (["launcher.kind=ray", "launcher.accelerate_config=x.yaml"], "accelerate_config is a torchrun setting"),

@@ -89,3 +89,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture()
+def one_thread():
+    """Tiny models run far faster on one thread when the two cores are shared; afterwards the
+    process-wide accelerate state is cleared so the next test's engine may pick its own precision."""
+    from accelerate.state import AcceleratorState
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+    AcceleratorState._reset_state(reset_partial_state=False)

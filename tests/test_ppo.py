@@ -8,18 +8,7 @@ import torch
 from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny model runs far faster on one thread when the two cores are shared; afterwards the
-    process-wide accelerate state is cleared so the next test's engine may pick its own precision."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=False)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, accelerate state reset
 
 
 def _imports():

@@ -10,14 +10,7 @@ import torch
 from verl_core.config import ConfigError
 from verl_core.rewards import RewardError, RewardModel, RewardSource, RewardSourceConfig
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread when the cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, accelerate state reset
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,7 @@ from verl_core.rollout import HFRolloutBackend, RolloutBackend, SamplingParams, 
 EOS, PAD, VOCAB = 5, 0, 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread when the cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, accelerate state reset
 
 
 class CountingLM(torch.nn.Module):

@@ -83,12 +83,27 @@ def prefect_harness():
 SLOW_FIXTURES = {"sft_path", "prefect_harness"}
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--exhaustive",
+        action="store_true",
+        help="also run the tests marked exhaustive (more variants of what the suite already covers once)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     """``-m 'not slow'`` is the fast subset (about a minute): tests that train a stage, run a flow
-    or start servers are marked ``slow`` by the fixtures they use or by their module's mark."""
+    or start servers are marked ``slow`` by the fixtures they use or by their module's mark.
+    Tests marked ``exhaustive`` (further variants of a scenario the suite runs once, kept out so
+    that the suite stays under 20 minutes on 2 cores) run with ``--exhaustive``."""
+    skip = pytest.mark.skip(reason="a further variant of a covered scenario: run with --exhaustive")
     for item in items:
         if SLOW_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+        if "exhaustive" in item.keywords:
+            item.add_marker(pytest.mark.slow)
+            if not config.getoption("--exhaustive"):
+                item.add_marker(skip)
 
 
 @pytest.fixture()

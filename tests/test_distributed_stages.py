@@ -140,7 +140,16 @@ def test_torchrun_two_processes_equal_the_in_process_stage(stage, tiny_path, pai
     assert not (Path(launched.output_path).parent / "checkpoints").exists()  # cleaned as in-process
 
 
-@pytest.mark.parametrize("stage", ["sft", "reward_model", "dpo", "grpo"])
+# Ray runs the same worker as torchrun: SFT and DPO in the suite, the other two with --exhaustive
+@pytest.mark.parametrize(
+    "stage",
+    [
+        "sft",
+        pytest.param("reward_model", marks=pytest.mark.exhaustive),
+        "dpo",
+        pytest.param("grpo", marks=pytest.mark.exhaustive),
+    ],
+)
 def test_ray_two_workers_equal_the_in_process_stage(stage, tiny_path, pairs, work, request):
     pytest.importorskip("ray", reason="Ray is the [ray] extra: pip install 'verl_core[ray]'")
     sft = request.getfixturevalue("sft_path") if stage == "grpo" else None

@@ -333,7 +333,9 @@ def log_cached_stage(
     origin = record.mlflow_run_id
     origin_url = run_url(config, origin) if origin and _run_exists(config, origin) else None
     url = prefect_flow_run_url(flow_run_id)
-    name = record.stage if not record.variant else f"{record.stage}-{record.variant}"
+    name = (record.stage if not record.variant else f"{record.stage}-{record.variant}") + (
+        f"-round{record.round}" if record.round else ""
+    )
     note = f"Stage `{record.stage}` served from the Prefect cache (key `{(record.cache_key or '')[:16]}`)"
     note += f"; computed by [{origin}]({origin_url})" if origin_url else ""
     note += _prefect_link(flow_run_id, url)
@@ -341,6 +343,7 @@ def log_cached_stage(
         PARENT_TAG: parent_run_id or "",
         STAGE_TAG: record.stage,
         "verl_core.variant": record.variant or "",
+        "verl_core.round": str(record.round) if record.round else "",
         "verl_core.cache_key": record.cache_key or "",
         "cached": "true",
         "verl_core.cached_from_run_id": origin or "",

@@ -397,3 +397,21 @@ def build_table(spec: BenchSpec, algos: list[str], results: dict[str, dict[str, 
 
 def write_json(path: str | os.PathLike, record: dict) -> None:
     Path(path).write_text(json.dumps(record, indent=1, default=str))
+
+
+def finish_report(out_path: str | os.PathLike, table: str, record: dict, results: dict[str, dict[str, dict]],
+                  verdicts: list) -> int:
+    """Write the table (markdown) and ``record`` (JSON beside it); the bench's exit code: 2 when a
+    run failed, 1 when a target was missed (listed on stderr), else 0."""
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table)
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
+    print(f"written to {out}")
+    if any(rec.get("error") for r in results.values() for rec in r.values()):
+        return 2
+    missed = [(t, how) for t, status, how in verdicts if status == "MISS"]
+    if missed:
+        print("targets missed:\n" + "\n".join(f"  {t.algo}: {t.describe()}: {how}" for t, how in missed), file=sys.stderr)
+        return 1
+    return 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import tempfile
 import time
@@ -239,19 +238,8 @@ def main(argv=None) -> int:
     table, verdicts = build_table(spec, algos, results, tokens, device, env, sides, len(tokenizer))
     print()
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table)
-    out.with_suffix(".json").write_text(json.dumps({"spec": dataclasses.asdict(spec), "tokens": tokens, "results": results,
-                                                    "env": env}, indent=1, default=str))
-    print(f"written to {out}")
-    if any(rec.get("error") for r in results.values() for rec in r.values()):
-        return 2
-    missed = [(t, how) for t, status, how in verdicts if status == "MISS"]
-    if missed:
-        print("targets missed:\n" + "\n".join(f"  {t.algo}: {t.describe()}: {how}" for t, how in missed), file=sys.stderr)
-        return 1
-    return 0
+    record = {"spec": dataclasses.asdict(spec), "tokens": tokens, "results": results, "env": env}
+    return harness.finish_report(args.out, table, record, results, verdicts)
 
 
 if __name__ == "__main__":

@@ -415,3 +415,12 @@ def finish_report(out_path: str | os.PathLike, table: str, record: dict, results
         print("targets missed:\n" + "\n".join(f"  {t.algo}: {t.describe()}: {how}" for t, how in missed), file=sys.stderr)
         return 1
     return 0
+
+
+def selected_algos(only: str) -> list[str]:
+    """The comma-separated ``--only`` list, checked against :data:`ALGOS`."""
+    algos = [a.strip() for a in only.split(",") if a.strip()]
+    unknown = [a for a in algos if a not in ALGOS]
+    if unknown:
+        raise SystemExit(f"unknown algorithm(s) {unknown}; choose from {ALGOS}")
+    return algos

@@ -148,10 +148,7 @@ def _load() -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    algos = [a.strip() for a in args.only.split(",") if a.strip()]
-    unknown = [a for a in algos if a not in ALGOS]
-    if unknown:
-        raise SystemExit(f"unknown algorithm(s) {unknown}; choose from {ALGOS}")
+    algos = harness.selected_algos(args.only)
     spec = spec_from(args)
     harness.prepare_torch(spec)
     device = spec.resolved_device()

@@ -106,30 +106,28 @@ def _report(result, config: PipelineConfig) -> None:
         print(line)
 
 
-def cmd_run(args) -> int:
+def _run_flow(args, flow_call) -> int:
+    """Check the config in seconds before Prefect starts (the flow checks again under its workdir lock),
+    run ``flow_call(config)`` and print what it made."""
     _quiet_defaults()
     config = _config(args)
-    preflight(config)  # seconds, before Prefect starts: the flow checks again under its workdir lock
-    from flows import rlhf_pipeline
-
+    preflight(config)
     if not args.debug:
         _quiet_user_error_tracebacks()
-
-    _report(rlhf_pipeline(config), config)
+    _report(flow_call(config), config)
     return 0
+
+
+def cmd_run(args) -> int:
+    from flows import rlhf_pipeline
+
+    return _run_flow(args, rlhf_pipeline)
 
 
 def cmd_stage(args) -> int:
-    _quiet_defaults()
-    config = _config(args)
-    preflight(config)  # seconds, before Prefect starts: the flow checks again under its workdir lock
     from flows import stage_flow
 
-    if not args.debug:
-        _quiet_user_error_tracebacks()
-
-    _report(stage_flow(args.name, config), config)
-    return 0
+    return _run_flow(args, lambda config: stage_flow(args.name, config))
 
 
 def cmd_config(args) -> int:

@@ -86,7 +86,6 @@ def load_reward_model(
     path: str | os.PathLike,
     dtype: DType = "float32",
     gradient_checkpointing: bool = False,
-    lora: LoraSettings | None = None,
     trust_remote_code: bool = False,
     trainable: bool = True,
 ):
@@ -99,7 +98,7 @@ def load_reward_model(
     model = _from_pretrained(AutoModelForSequenceClassification, path, dtype, trust_remote_code, num_labels=1)
     if model.config.pad_token_id is None:
         raise ModelLoadError(f"{path}: the reward model needs config.pad_token_id to find each sequence's last token")
-    return _prepare(model, gradient_checkpointing, lora, trainable, task_type="SEQ_CLS")
+    return _prepare(model, gradient_checkpointing, None, trainable, task_type="SEQ_CLS")
 
 
 def _prepare(model, gradient_checkpointing: bool, lora: LoraSettings | None, trainable: bool, task_type: str):

@@ -76,14 +76,10 @@ def build_model(config: TinyModelConfig, tokenizer):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    sizes = config.model_dump(exclude={"vocab_size", "seed"})  # the rest are LlamaConfig's own field names
     cfg = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        max_position_embeddings=config.max_position_embeddings,
+        **sizes,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

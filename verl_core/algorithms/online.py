@@ -98,14 +98,8 @@ class OnlineTrainer:
         self.rewards = RewardSource.build(c, reward_model, reward_fns, self.default_rules)
         rm = self.rewards.reward_model
         self.rm_reads_ids = rm is not None and rm.shares_vocab(tok)
-        self.sampling = SamplingParams(
-            max_new_tokens=c.max_new_tokens,
-            temperature=c.temperature,
-            top_p=c.top_p,
-            top_k=c.top_k,
-            n=c.num_generations,
-            batch_size=c.generation_batch_size,
-        )
+        shared = c.model_dump(include={"max_new_tokens", "temperature", "top_p", "top_k"})
+        self.sampling = SamplingParams(**shared, n=c.num_generations, batch_size=c.generation_batch_size)
         torch.manual_seed(c.seed)
         self.config, self.speed_features = resolve_speed(
             self.policy.model, c, type(self).__name__, unsupported=self.packing_unsupported(self.policy.model)

@@ -28,14 +28,12 @@ import contextlib
 import copy
 import gc
 import os
-from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
 
 from verl_core.algorithms.base import OfflineTrainer, PairPackingSettings
-from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.data.formats import LongPromptPolicy
 from verl_core.engine import Engine, TrainConfig, steps_for
@@ -98,18 +96,10 @@ class PreferenceTrainer(OfflineTrainer):
     config_cls: ClassVar[type[TrainConfig]] = PreferenceConfig
     config: PreferenceConfig
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        ref_model: Any = None,
-        config: PreferenceConfig | dict | None = None,
-        callbacks: Sequence[Callback] = (),
-        **overrides: Any,
-    ):
-        super().__init__(model, tokenizer, train_dataset, eval_dataset, config, callbacks, **overrides)
+    def __init__(self, model: Any, *args: Any, ref_model: Any = None, **kwargs: Any):
+        """:class:`OfflineTrainer`'s arguments, plus ``ref_model``: the frozen reference (a model, a path, or
+        None for the one :meth:`_resolve_reference` picks)."""
+        super().__init__(model, *args, **kwargs)
         if self.model_source is None and self.config.lora is not None and not is_peft(self.model):
             raise ConfigError("lora= applies when the model is given as a path; wrap a model object with peft yourself")
         self._precomputing = False

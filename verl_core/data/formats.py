@@ -20,6 +20,7 @@ completion tokens.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Literal
 
 from verl_core.data.errors import DataError
@@ -120,43 +121,56 @@ def _rows(source: Any) -> list[dict]:
     return list(load_rows(source))
 
 
-@names_source
-def tokenize_sft(
-    source: Any,
-    tokenizer,
-    max_length: int = 512,
-    max_prompt_length: int | None = None,
-    on_long_prompt: LongPromptPolicy = "error",
-) -> list[dict]:
+RowEncoder = Callable[["_Encoder", dict, int], "dict | None"]
+
+
+def _row_tokenizer(what: str, encode_row: RowEncoder, prepare: Callable[[list[dict]], list[dict]] | None = None):
+    """A public ``tokenize_*(source, tokenizer, max_length, max_prompt_length, on_long_prompt)``: load the
+    rows, encode each with ``encode_row`` (None: a long prompt dropped), and refuse an empty result. The
+    docstring is ``encode_row``'s, so each format documents itself in one place."""
+
+    @names_source
+    def tokenize(
+        source: Any,
+        tokenizer,
+        max_length: int = 512,
+        max_prompt_length: int | None = None,
+        on_long_prompt: LongPromptPolicy = "error",
+    ) -> list[dict]:
+        rows = _rows(source)
+        enc = _Encoder(tokenizer, max_length, max_prompt_length, on_long_prompt)
+        out = [encoded for i, row in enumerate(prepare(rows) if prepare else rows) if (encoded := encode_row(enc, row, i))]
+        enc.report(what)
+        return _nonempty(out, what)
+
+    tokenize.__doc__ = encode_row.__doc__
+    tokenize.__name__ = tokenize.__qualname__ = f"tokenize_{encode_row.__name__.strip('_').removesuffix('_row')}"
+    return tokenize
+
+
+def _sft_row(enc: _Encoder, row: dict, i: int) -> dict | None:
     """SFT rows → ``{"prompt_ids", "completion_ids"}`` (loss only on completion ids)."""
-    enc = _Encoder(tokenizer, max_length, max_prompt_length, on_long_prompt)
-    out = []
-    for i, row in enumerate(_rows(source)):
-        if row.get("messages") is not None:
-            messages = _check_messages(row["messages"], i, "messages")
-            if messages[-1]["role"] != "assistant":
-                raise DataError(f"row {i}: field 'messages' must end with an assistant message")
-            prompt, completion = messages[:-1], messages[-1:]
-            if not prompt:
-                raise DataError(f"row {i}: field 'messages' has no turn before the assistant's")
-        elif row.get("prompt") is not None or row.get("completion") is not None:
-            prompt, completion = _text_or_messages(row, i, "prompt"), _text_or_messages(row, i, "completion")
-        elif row.get("text") is not None:
-            text = _text_or_messages(row, i, "text")
-            if not isinstance(text, str):
-                raise DataError(f"row {i}: field 'text' must be a string")
-            ids = enc.ids(text, special=True) + [tokenizer.eos_token_id]
-            out.append({"prompt_ids": [], "completion_ids": ids[:max_length]})
-            continue
-        else:
-            raise DataError(f"row {i}: an SFT row needs 'text', 'prompt'+'completion' or 'messages'; it has {sorted(row)}")
-        prompt_ids = enc.prompt(prompt, i)
-        if prompt_ids is not None:
-            out.append(
-                {"prompt_ids": prompt_ids, "completion_ids": enc.completion(prompt, completion, prompt_ids, i, "completion")}
-            )
-    enc.report("sft")
-    return _nonempty(out, "SFT")
+    if row.get("messages") is not None:
+        messages = _check_messages(row["messages"], i, "messages")
+        if messages[-1]["role"] != "assistant":
+            raise DataError(f"row {i}: field 'messages' must end with an assistant message")
+        prompt, completion = messages[:-1], messages[-1:]
+        if not prompt:
+            raise DataError(f"row {i}: field 'messages' has no turn before the assistant's")
+    elif row.get("prompt") is not None or row.get("completion") is not None:
+        prompt, completion = _text_or_messages(row, i, "prompt"), _text_or_messages(row, i, "completion")
+    elif row.get("text") is not None:
+        text = _text_or_messages(row, i, "text")
+        if not isinstance(text, str):
+            raise DataError(f"row {i}: field 'text' must be a string")
+        ids = enc.ids(text, special=True) + [enc.tok.eos_token_id]
+        return {"prompt_ids": [], "completion_ids": ids[: enc.max_length]}
+    else:
+        raise DataError(f"row {i}: an SFT row needs 'text', 'prompt'+'completion' or 'messages'; it has {sorted(row)}")
+    prompt_ids = enc.prompt(prompt, i)
+    if prompt_ids is None:
+        return None
+    return {"prompt_ids": prompt_ids, "completion_ids": enc.completion(prompt, completion, prompt_ids, i, "completion")}
 
 
 def split_implicit_prompt(chosen: str | Messages, rejected: str | Messages, i: int):
@@ -198,33 +212,19 @@ def _preference_parts(row: dict, i: int):
     return _text_or_messages(row, i, "prompt"), chosen, rejected
 
 
-@names_source
-def tokenize_pairs(
-    source: Any,
-    tokenizer,
-    max_length: int = 512,
-    max_prompt_length: int | None = None,
-    on_long_prompt: LongPromptPolicy = "error",
-) -> list[dict]:
+def _pairs_row(enc: _Encoder, row: dict, i: int) -> dict | None:
     """Preference rows → ``{"prompt_ids", "chosen_ids", "rejected_ids"}``."""
-    enc = _Encoder(tokenizer, max_length, max_prompt_length, on_long_prompt)
-    out = []
-    for i, row in enumerate(_rows(source)):
-        prompt, chosen, rejected = _preference_parts(row, i)
-        if chosen == rejected:
-            raise DataError(f"row {i}: 'chosen' and 'rejected' are identical; such a pair carries no preference")
-        prompt_ids = enc.prompt(prompt, i)
-        if prompt_ids is None:
-            continue
-        out.append(
-            {
-                "prompt_ids": prompt_ids,
-                "chosen_ids": enc.completion(prompt, chosen, prompt_ids, i, "chosen"),
-                "rejected_ids": enc.completion(prompt, rejected, prompt_ids, i, "rejected"),
-            }
-        )
-    enc.report("preference")
-    return _nonempty(out, "preference")
+    prompt, chosen, rejected = _preference_parts(row, i)
+    if chosen == rejected:
+        raise DataError(f"row {i}: 'chosen' and 'rejected' are identical; such a pair carries no preference")
+    prompt_ids = enc.prompt(prompt, i)
+    if prompt_ids is None:
+        return None
+    return {
+        "prompt_ids": prompt_ids,
+        "chosen_ids": enc.completion(prompt, chosen, prompt_ids, i, "chosen"),
+        "rejected_ids": enc.completion(prompt, rejected, prompt_ids, i, "rejected"),
+    }
 
 
 def pairs_to_unpaired(rows: list[dict]) -> list[dict]:
@@ -237,42 +237,32 @@ def pairs_to_unpaired(rows: list[dict]) -> list[dict]:
     return out
 
 
-@names_source
-def tokenize_unpaired(
-    source: Any,
-    tokenizer,
-    max_length: int = 512,
-    max_prompt_length: int | None = None,
-    on_long_prompt: LongPromptPolicy = "error",
-) -> list[dict]:
+def _unpaired_row(enc: _Encoder, row: dict, i: int) -> dict | None:
     """Unpaired rows (``prompt``/``completion``/``label``) → ``{"prompt_ids", "completion_ids", "label"}``.
 
     Preference rows (``chosen``/``rejected``) are accepted too and split with
     :func:`pairs_to_unpaired`.
     """
-    rows = _rows(source)
-    if rows and "label" not in rows[0] and "chosen" in rows[0]:
-        rows = pairs_to_unpaired(rows)
-    enc = _Encoder(tokenizer, max_length, max_prompt_length, on_long_prompt)
-    out = []
-    for i, row in enumerate(rows):
-        prompt, completion = _text_or_messages(row, i, "prompt"), _text_or_messages(row, i, "completion")
-        label = row.get("label")
-        if label is None:
-            raise DataError(f"row {i}: missing field 'label' (True = desirable, False = undesirable)")
-        if not isinstance(label, bool):  # not 0/1 or "yes": a typo must not become a label
-            raise DataError(f"row {i}: field 'label' must be true or false (a JSON boolean), got {label!r}")
-        prompt_ids = enc.prompt(prompt, i)
-        if prompt_ids is not None:
-            out.append(
-                {
-                    "prompt_ids": prompt_ids,
-                    "completion_ids": enc.completion(prompt, completion, prompt_ids, i, "completion"),
-                    "label": label,
-                }
-            )
-    enc.report("unpaired")
-    return _nonempty(out, "unpaired")
+    prompt, completion = _text_or_messages(row, i, "prompt"), _text_or_messages(row, i, "completion")
+    label = row.get("label")
+    if label is None:
+        raise DataError(f"row {i}: missing field 'label' (True = desirable, False = undesirable)")
+    if not isinstance(label, bool):  # not 0/1 or "yes": a typo must not become a label
+        raise DataError(f"row {i}: field 'label' must be true or false (a JSON boolean), got {label!r}")
+    prompt_ids = enc.prompt(prompt, i)
+    if prompt_ids is None:
+        return None
+    completion_ids = enc.completion(prompt, completion, prompt_ids, i, "completion")
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "label": label}
+
+
+def _split_pairs_if_any(rows: list[dict]) -> list[dict]:
+    return pairs_to_unpaired(rows) if rows and "label" not in rows[0] and "chosen" in rows[0] else rows
+
+
+tokenize_sft = _row_tokenizer("SFT", _sft_row)
+tokenize_pairs = _row_tokenizer("preference", _pairs_row)
+tokenize_unpaired = _row_tokenizer("unpaired", _unpaired_row, prepare=_split_pairs_if_any)
 
 
 @names_source

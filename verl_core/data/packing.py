@@ -164,32 +164,29 @@ def pack_units(units: Sequence[Unit], n_seq: int, pad_id: int, row_capacity: Row
     }
 
 
+def _collate_fields(
+    examples: list[dict], fields: tuple[str, ...], pad_id: int, share_prompt: bool, row_capacity: RowCapacity, prune: bool
+) -> dict[str, torch.Tensor]:
+    """``collate_packed`` of each example's prompt with its completions named by ``fields`` (one branch each)."""
+    completions = [[e[field] for e in examples] for field in fields]
+    prompts = [e["prompt_ids"] for e in examples]
+    return collate_packed(
+        prompts, completions, pad_id, share_prompt=share_prompt, row_capacity=row_capacity, prune_last_layer=prune
+    )
+
+
 def collate_packed_sft(
     examples: list[dict], pad_id: int, row_capacity: RowCapacity = None, prune_last_layer: bool = True
 ) -> dict[str, torch.Tensor]:
     """Packed counterpart of :func:`~verl_core.data.collate_sft`."""
-    return collate_packed(
-        [e["prompt_ids"] for e in examples],
-        [[e["completion_ids"] for e in examples]],
-        pad_id,
-        share_prompt=False,
-        row_capacity=row_capacity,
-        prune_last_layer=prune_last_layer,
-    )
+    return _collate_fields(examples, ("completion_ids",), pad_id, False, row_capacity, prune_last_layer)
 
 
 def collate_packed_pairs(
     examples: list[dict], pad_id: int, share_prompt: bool = True, row_capacity: RowCapacity = None, prune_last_layer: bool = True
 ) -> dict[str, torch.Tensor]:
     """Packed counterpart of :func:`~verl_core.data.collate_pairs`: logical rows chosen ``0..B-1``, rejected ``B..2B-1``."""
-    return collate_packed(
-        [e["prompt_ids"] for e in examples],
-        [[e["chosen_ids"] for e in examples], [e["rejected_ids"] for e in examples]],
-        pad_id,
-        share_prompt=share_prompt,
-        row_capacity=row_capacity,
-        prune_last_layer=prune_last_layer,
-    )
+    return _collate_fields(examples, ("chosen_ids", "rejected_ids"), pad_id, share_prompt, row_capacity, prune_last_layer)
 
 
 def collate_packed_kto(
@@ -197,14 +194,8 @@ def collate_packed_kto(
 ) -> dict[str, torch.Tensor]:
     """Packed KTO batch: logical rows target ``0..B-1`` (prompt + completion), KL ``B..2B-1``
     (prompt + ``kl_completion_ids``), plus ``labels``; the prompt is shared by both."""
-    batch = collate_packed(
-        [e["prompt_ids"] for e in examples],
-        [[e["completion_ids"] for e in examples], [e["kl_completion_ids"] for e in examples]],
-        pad_id,
-        share_prompt=share_prompt,
-        row_capacity=row_capacity,
-        prune_last_layer=prune_last_layer,
-    )
+    fields = ("completion_ids", "kl_completion_ids")
+    batch = _collate_fields(examples, fields, pad_id, share_prompt, row_capacity, prune_last_layer)
     batch["labels"] = torch.tensor([e["label"] for e in examples], dtype=torch.bool)
     return batch
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verl_core.rollout import HFRolloutBackend, RolloutBackend, SamplingParams, filter_logits, position_ids_from_mask
+from verl_core.rollout import HFRolloutBackend, RolloutBackend, SamplingParams, _sample, filter_logits, position_ids_from_mask
 
 EOS, PAD, VOCAB = 5, 0, 16
 
@@ -34,6 +34,24 @@ def test_filter_logits_keeps_top_k_and_the_top_p_nucleus():
     # 0.5 < 0.7, 0.5 + 0.3 >= 0.7: the nucleus is the first two tokens
     assert torch.isinf(filter_logits(logits, top_p=0.7)).tolist() == [[False, False, True, True]]
     assert torch.isinf(filter_logits(logits, top_p=0.4)).tolist() == [[False, True, True, True]]
+
+
+@pytest.mark.parametrize("per_row_streams", [False, True])
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 2, 1.0), (1.0, 0, 0.7)])
+def test_sampled_tokens_follow_the_tempered_truncated_distribution(temperature, top_k, top_p, per_row_streams):
+    """Token frequencies over 40k draws match softmax(logits / T) renormalised over the kept tokens
+    (top-k / top-p), never a dropped token; the log-prob is the untruncated tempered one."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])).expand(40_000, 5).clone()
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    gen = [torch.Generator().manual_seed(i) for i in range(len(logits))] if per_row_streams else torch.Generator().manual_seed(0)
+    token, logp = _sample(logits, params, gen)
+    tempered = torch.softmax(logits[0] / temperature, -1)
+    kept = tempered * ~torch.isinf(filter_logits((logits[0] / temperature)[None], top_k, top_p))[0]
+    expected = kept / kept.sum()
+    freq = torch.bincount(token, minlength=5).double() / len(token)
+    assert freq[expected == 0].sum() == 0 and token.max() < 4  # the zero-probability token is never drawn
+    assert torch.allclose(freq, expected.double(), atol=0.01), (freq, expected)
+    assert torch.allclose(logp, torch.log(tempered)[token], atol=1e-5)
 
 
 def test_stops_at_eos_and_masks_up_to_and_including_it():

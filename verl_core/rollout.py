@@ -283,22 +283,32 @@ def _sample(
     logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | list[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its log-prob under softmax(logits / T) (see the module docstring).
-    With one generator per row, row i's token is the inverse CDF of its probabilities at a uniform
-    drawn from its own stream: a pure function of that row's logits and stream."""
+
+    Inverse-CDF sampling: row i's token is the first k with ``cdf_i[k] > u_i``, ``u_i`` uniform on
+    [0, total_i), drawn from the batch's stream or, with one generator per row, from the row's own
+    (a pure function of that row's logits and stream). One uniform per row instead of
+    ``torch.multinomial``'s vocabulary-wide random vector, and one ``exp`` pass over the logits for
+    both the draw and the log-prob: at a 32k vocabulary this step cost as much as the LM head."""
     if params.temperature == 0:
         token = logits.argmax(-1)
         return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
     scaled = logits / params.temperature
-    logp_all = torch.log_softmax(scaled, -1)
-    probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), -1)
-    if isinstance(gen, torch.Generator):
-        token = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    top = scaled.amax(-1, keepdim=True)
+    weights = (scaled - top).exp()
+    if params.top_k or params.top_p < 1.0:
+        total = weights.sum(-1)  # the log-prob is the policy's, before the truncation
+        cdf = weights.masked_fill(filter_logits(scaled, params.top_k, params.top_p) == float("-inf"), 0.0).cumsum_(-1)
     else:
-        cdf = probs.cumsum(-1)
-        u = torch.stack([torch.rand((), generator=g, device=probs.device) for g in gen]) * cdf[:, -1]
-        # token k where cdf[k-1] <= u < cdf[k]: a token of probability 0 is never chosen
-        token = (cdf <= u[:, None]).sum(-1).clamp(max=probs.shape[-1] - 1)
-    return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
+        cdf = weights.cumsum_(-1)
+        total = cdf[:, -1]
+    if isinstance(gen, torch.Generator):
+        u = torch.rand(len(cdf), generator=gen, device=cdf.device)
+    else:
+        u = torch.stack([torch.rand((), generator=g, device=cdf.device) for g in gen])
+    # right=True: the first k with cdf[k] > u, so a token of probability 0 is never chosen
+    token = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)
+    logp = scaled.gather(-1, token[:, None]).squeeze(-1) - top.squeeze(-1) - total.log()
+    return token, logp
 
 
 def _concat(chunks: list[RolloutBatch], pad_id: int) -> RolloutBatch:

@@ -129,7 +129,8 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("distributed")
 
 
-@pytest.mark.parametrize("stage", ["sft", "reward_model", "dpo", "grpo"])
+# the reward model's torchrun run is the SFT one's code path with a score head: --exhaustive
+@pytest.mark.parametrize("stage", ["sft", pytest.param("reward_model", marks=pytest.mark.exhaustive), "dpo", "grpo"])
 def test_torchrun_two_processes_equal_the_in_process_stage(stage, tiny_path, pairs, work, request):
     sft = request.getfixturevalue("sft_path") if stage == "grpo" else None
     lines: list[str] = []

@@ -93,6 +93,7 @@ def test_gradient_accumulation_4x4_equals_1x16(tiny_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # the torchrun stage tests (test_distributed_stages.py) run the same DDP path end to end
 def test_two_processes_equal_one_process(tiny_path, tmp_path):
     """torchrun --nproc_per_node 2 (accelerate MULTI_CPU, gloo) vs one process, same global batch."""
     script = Path(__file__).with_name("distributed_step.py")

@@ -12,6 +12,7 @@ from pydantic import Field
 from verl_core.config import StrictConfig
 from verl_core.errors import UserError
 from verl_core.hub import hub_id, hub_offline, not_found_hint
+from verl_core.processes import pid_alive
 from verl_core.progress import quiet_library_bars
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -129,13 +130,8 @@ def _remove_partial_writes(target: Path) -> None:
 
     for partial in target.parent.glob(f".{target.name}-*"):
         pid = partial.name[len(target.name) + 2 :].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                shutil.rmtree(partial, ignore_errors=True)
-            except PermissionError:
-                pass
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
 
 
 def save_pretrained_atomic(model, tokenizer, target: str | os.PathLike) -> Path:

@@ -25,20 +25,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from verl_core.errors import WorkdirError
+from verl_core.processes import pid_alive
 
 log = logging.getLogger("verl_core")
 LOCK_FILE = ".lock"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with ``pid`` exists on this host (signal 0 checks without sending anything)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def owner() -> dict[str, str | int | float]:

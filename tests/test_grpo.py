@@ -164,6 +164,7 @@ def test_loss_units_make_micro_batches_add_up_to_the_batch_loss(agg):
 
     from verl_core.algorithms.grpo import GRPOConfig
     from verl_core.algorithms.online import OnlineTrainer
+    from verl_core.logprobs import scaled_logprobs
     from verl_core.losses.policy import FixedKLController
 
     torch.manual_seed(0)
@@ -180,7 +181,10 @@ def test_loss_units_make_micro_batches_add_up_to_the_batch_loss(agg):
     for name in ("vanilla", "gspo", "cispo"):
         fake = types.SimpleNamespace(
             config=GRPOConfig(loss_agg=agg, policy_loss=name, max_new_tokens=8, num_generations=2, batch_size=6),
-            forward=lambda model, mb: (mb["logits"], None),
+            policy_outputs=lambda model, mb, with_entropy: (
+                *scaled_logprobs(mb["logits"], mb["response_ids"], with_entropy=with_entropy),
+                None,
+            ),
             extra_loss=lambda values, mb: (0.0, {}),
             kl_ctl=FixedKLController(0.0),
         )

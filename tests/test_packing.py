@@ -235,9 +235,8 @@ def test_flash_attention_gets_no_mask_and_refuses_shared_prompts_a_custom_sdpa_k
     assert seen["attention_mask"].dtype == torch.bool and packing.supports_shared_prompt(model)
 
 
-def test_packed_response_logits_share_each_prompt_and_equal_the_padded_ones(tiny_path, tok):
-    from verl_core.algorithms.online import lm_response_logits
-    from verl_core.logprobs import selected_logprobs
+def test_packed_response_logprobs_share_each_prompt_and_equal_the_padded_ones(tiny_path, tok):
+    from verl_core.forward import response_logprobs
     from verl_core.rollout import HFRolloutBackend, SamplingParams
 
     model = _model(tiny_path)
@@ -256,9 +255,11 @@ def test_packed_response_logits_share_each_prompt_and_equal_the_padded_ones(tiny
     batch = {k: v[torch.randperm(12, generator=torch.Generator().manual_seed(0))] for k, v in batch.items()}  # groups split up
     batch["response_mask"][0, 3:] = 0  # an early stop
     mask = batch["response_mask"].bool()
-    lp_pad = selected_logprobs(lm_response_logits(model, batch), batch["response_ids"])
-    lp_shared = selected_logprobs(packing.packed_response_logits(model, batch, tok.pad_token_id), batch["response_ids"])
+    lp_pad, ent_pad = response_logprobs(model, batch, scale=1 / 0.7, with_entropy=True)
+    lp_shared, ent_shared = packing.packed_response_logprobs(model, batch, tok.pad_token_id, scale=1 / 0.7, with_entropy=True)
     torch.testing.assert_close(lp_shared[mask], lp_pad[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent_shared[mask], ent_pad[mask], rtol=1e-5, atol=1e-5)
+    assert not lp_shared[~mask].any() and not ent_pad[~mask].any()
     assert seen[1] <= int(mask.sum()) < seen[0]  # the pruned last layer: only where a response token is predicted
     g_pad = torch.autograd.grad(lp_pad[mask].sum(), [model.model.embed_tokens.weight])[0]
     g_shared = torch.autograd.grad(lp_shared[mask].sum(), [model.model.embed_tokens.weight])[0]

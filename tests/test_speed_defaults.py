@@ -40,7 +40,9 @@ def test_default_arguments_take_the_fast_path(tiny_path, name):
     assert f["chunked_logprobs"]
     if name == "ppo":  # the one trainer without a packed path: said, not hidden
         assert not f["packing"] and "value head" in f["fallbacks"]["packing"]
+        assert not f["fused_lm_head"] and "value model" in f["fallbacks"]["fused_lm_head"]
         return
+    assert ("fused_lm_head" not in f) if name == "reward_model" else f["fused_lm_head"], f  # a reward model has no LM head
     assert f["packing"] and f["prune_last_layer"] and f["fallbacks"] == {}, f
     if name in ("reward_model", "dpo", "kto", "simpo", "orpo"):
         assert f["share_prompt"]
@@ -163,3 +165,28 @@ def test_fewer_rows_than_batch_size_train_on_what_there_is(tiny_path):
     )
     assert trainer.config.batch_size == 4 and trainer.config.gradient_accumulation_steps == 2
     assert trainer.train().steps == 2
+
+
+def test_a_model_whose_head_is_not_a_plain_linear_layer_takes_log_probs_from_its_logits_and_trains(tiny_path, caplog):
+    from verl_core import GRPOTrainer
+    from verl_core.policies import LLMPolicy
+
+    model = load_causal_lm(tiny_path)
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with caplog.at_level(logging.INFO, logger="verl_core"):
+        rows = arithmetic.sft_rows(16)
+        sft = SFTTrainer(model, load_tokenizer(tiny_path), train_dataset=rows, batch_size=8, max_steps=2, **QUIET)
+        policy = LLMPolicy(model, load_tokenizer(tiny_path))
+        grpo = GRPOTrainer(policy, prompts=arithmetic.prompt_rows(4), batch_size=4, num_generations=2, max_steps=1, **QUIET)
+    for trainer in (sft, grpo):
+        f = trainer.speed_features
+        assert f["packing"] and not f["fused_lm_head"] and "with a bias" in f["fallbacks"]["fused_lm_head"], f
+    assert [r for r in caplog.records if "fused_lm_head is off" in r.getMessage()]
+    assert len(sft.train().history["loss"]) == 2
+    assert torch.isfinite(torch.tensor(grpo.train().history["policy/loss"][0][1]))
+
+
+def test_fused_lm_head_has_a_switch(tiny_path):
+    off = SFTTrainer(str(tiny_path), train_dataset=arithmetic.sft_rows(16), fused_lm_head=False)
+    assert not off.speed_features["fused_lm_head"] and off.speed_features["fallbacks"] == {}
+    assert not bool(off.collate(off.train_examples[:2])["fused_lm_head"])

@@ -130,3 +130,76 @@ def last_layer_only_at(model: torch.nn.Module, keep: torch.Tensor | None) -> Ite
             hook.remove()
         if checkpointing:
             layer.gradient_checkpointing = checkpointing
+
+
+# Causal LMs checked to compute ``logits = lm_head(out.hidden_states[-1])`` with a bias-free
+# linear head and nothing after it (no soft-capping, no logit scale): their log-probs may come
+# from :func:`verl_core.lm_head.linear_logprobs` on the hidden states. tests/test_lm_head.py
+# builds each one and compares against the model's own logits.
+FUSED_HEAD_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM")
+
+
+def fused_head_skip_reason(model: torch.nn.Module) -> str | None:
+    """Why log-probs of ``model`` must come from its own logits, or None when
+    :func:`output_head_weight` and the last hidden states give them exactly."""
+    import transformers
+
+    base = base_module(model)
+    name = type(base).__name__
+    major = int(transformers.__version__.split(".")[0])
+    low, high = TESTED_TRANSFORMERS_MAJOR
+    if not low <= major <= high:
+        return f"transformers {transformers.__version__} is outside the tested major versions {low}..{high}"
+    if name not in FUSED_HEAD_MODELS:
+        return f"{name} is not a known causal LM (verl_core.forward.FUSED_HEAD_MODELS)"
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        bias = " with a bias" if getattr(head, "bias", None) is not None else ""
+        return f"its output head is {type(head).__name__}{bias}, not a plain linear layer"
+    config = base.config
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) not in (None, 1, 1.0):
+        return "its config scales or soft-caps the logits"
+    return None
+
+
+def output_head_weight(model: torch.nn.Module) -> torch.nn.Parameter:
+    """The ``[V, D]`` weight of the LM head (shared with the input embeddings when tied)."""
+    return base_module(model).get_output_embeddings().weight
+
+
+def last_hidden_states(model: torch.nn.Module, **forward_kwargs) -> torch.Tensor:
+    """The final (normed) hidden states ``[B, T, D]`` the LM head would read, from a forward
+    through ``model`` itself (wrappers such as DDP see the call) with the head run on one
+    position per row only."""
+    out = model(**forward_kwargs, output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1]
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    scale: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    fused: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[B, R]`` of ``batch["response_ids"]`` under ``softmax(scale · logits)`` and their
+    entropies (or None), for a padded online batch (left-padded prompt + right-padded response);
+    0 where ``response_mask`` is 0. Through :func:`verl_core.lm_head.linear_logprobs` on the hidden
+    states when ``fused`` and :func:`fused_head_skip_reason` allows and no entropy gradient is needed, else
+    through the model's logits at the response positions only."""
+    from verl_core.lm_head import linear_logprobs
+    from verl_core.logprobs import scaled_logprobs
+
+    ids, mask = batch["response_ids"], batch["response_mask"].bool()
+    r = ids.shape[1]
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    if fused and not entropy_grad and fused_head_skip_reason(model) is None:
+        hidden = last_hidden_states(model, **inputs, use_cache=False)[:, -r - 1 : -1]
+        out = linear_logprobs(hidden[mask], output_head_weight(model), ids[mask], scale, with_entropy)
+        logp_k, ent_k = out if with_entropy else (out, None)
+        logp = logp_k.new_zeros(mask.shape).masked_scatter(mask, logp_k)
+        return logp, None if ent_k is None else ent_k.new_zeros(mask.shape).masked_scatter(mask, ent_k)
+    logits = model(**inputs, use_cache=False, logits_to_keep=r + 1).logits[:, :-1]
+    logp, entropy = scaled_logprobs(logits, ids, scale, with_entropy, entropy_grad)
+    return torch.where(mask, logp, 0.0), None if entropy is None else torch.where(mask, entropy, 0.0)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from verl_core.data.packing import (  # noqa: F401  (re-exported: the packing API in one place)
+    FUSED_HEAD_KEY,
     PACKED_KEY,
     PRUNE_KEY,
     RowCapacity,
@@ -29,8 +30,9 @@ from verl_core.data.packing import (  # noqa: F401  (re-exported: the packing AP
     pack_units,
     packing_stats,
 )
-from verl_core.forward import attn_implementation, last_layer_only_at
-from verl_core.logprobs import entropy_from_logits, selected_logprobs, token_logprobs
+from verl_core.forward import attn_implementation, fused_head_skip_reason, last_layer_only_at, output_head_weight
+from verl_core.lm_head import linear_logprobs
+from verl_core.logprobs import entropy_from_logits, scaled_logprobs, token_logprobs
 
 LogProbs = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # log-probs, or (log-probs, entropies)
 
@@ -78,8 +80,8 @@ def packed_attention_mask(batch: dict[str, torch.Tensor], additive_dtype: torch.
     return torch.zeros(mask.shape, dtype=additive_dtype, device=mask.device).masked_fill(~mask, torch.finfo(additive_dtype).min)
 
 
-def _prune(batch: dict[str, torch.Tensor]) -> bool:
-    flag = batch.get(PRUNE_KEY)
+def _flag(batch: dict[str, torch.Tensor], key: str) -> bool:
+    flag = batch.get(key)
     return True if flag is None else bool(flag)
 
 
@@ -99,19 +101,41 @@ def packed_forward(model: torch.nn.Module, batch: dict[str, torch.Tensor], **kwa
     return model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"], use_cache=False, **kwargs)
 
 
-def _logits_at(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], keep: torch.Tensor, flat: torch.Tensor, prune: bool
-) -> torch.Tensor:
-    """Logits ``[N, V]`` at the flat packed positions ``flat``, all of them inside ``keep`` (``[R, C]``
-    bool), with the last layer and the LM head run only where ``keep`` is True."""
+def _logprobs_at(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    keep: torch.Tensor,
+    flat: torch.Tensor,
+    targets: torch.Tensor,
+    prune: bool,
+    scale: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    fused: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[N]`` of ``targets`` predicted at the flat packed positions ``flat`` (all inside
+    ``keep``, ``[R, C]`` bool) under ``softmax(scale · logits)``, and their entropies (or None).
+
+    The last layer runs only where ``keep`` is True. With ``fused``, a model :func:`fused_head_skip_reason` accepts
+    gets them from its last hidden states through :func:`verl_core.lm_head.linear_logprobs` (no
+    ``[N, V]`` logits tensor); any other model, or an entropy that needs a gradient, through its
+    logits."""
+    fused = fused and not entropy_grad and fused_head_skip_reason(model) is None
     with last_layer_only_at(model, keep if prune else None):
+        if fused:
+            hidden = packed_forward(model, batch, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
+            picked_hidden = hidden.reshape(-1, hidden.shape[-1])[flat]
+            out = linear_logprobs(picked_hidden, output_head_weight(model), targets, scale, with_entropy)
+            return out if with_entropy else (out, None)
         try:
             logits = packed_forward(model, batch, logits_to_keep=keep).logits
         except TypeError:  # a model whose forward has no logits_to_keep
             logits = packed_forward(model, batch).logits
     if logits.dim() == 3:  # every position was computed
-        return logits.reshape(keep.numel(), -1)[flat]
-    return logits[(keep.reshape(-1).long().cumsum(0) - 1)[flat]]  # [kept, V] in flat order
+        picked = logits.reshape(keep.numel(), -1)[flat]
+    else:
+        picked = logits[(keep.reshape(-1).long().cumsum(0) - 1)[flat]]  # [kept, V] in flat order
+    return scaled_logprobs(picked, targets, scale, with_entropy, entropy_grad)
 
 
 def _predictions(batch: dict[str, torch.Tensor]):
@@ -135,13 +159,14 @@ def packed_token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     rows, width = batch["input_ids"].shape
     keep = torch.zeros(rows * width, dtype=torch.bool, device=predictor.device)
     keep[predictor] = True
-    picked = _logits_at(model, batch, keep.view(rows, width), predictor, _prune(batch))
-    out = torch.zeros(need.shape[0], need.shape[1] + 1, dtype=torch.float32, device=picked.device)
-    out[:, 1:][need] = selected_logprobs(picked, target)
+    prune, fused = _flag(batch, PRUNE_KEY), _flag(batch, FUSED_HEAD_KEY)
+    logp, entropy = _logprobs_at(model, batch, keep.view(rows, width), predictor, target, prune, 1.0, with_entropy, False, fused)
+    out = torch.zeros(need.shape[0], need.shape[1] + 1, dtype=logp.dtype, device=logp.device)
+    out[:, 1:][need] = logp
     if not with_entropy:
         return out
     ent = torch.zeros_like(out)
-    ent[:, 1:][need] = entropy_from_logits(picked)
+    ent[:, 1:][need] = entropy
     return out, ent
 
 
@@ -161,20 +186,25 @@ def model_token_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor],
     return lp, torch.nn.functional.pad(entropy_from_logits(logits[:, :-1]), (1, 0))
 
 
-def packed_response_logits(
+def packed_response_logprobs(
     model: torch.nn.Module,
     batch: dict[str, torch.Tensor],
     pad_id: int = 0,
     row_capacity: RowCapacity = "longest",
     prune_last_layer: bool = True,
-) -> torch.Tensor:
-    """:func:`verl_core.algorithms.online.lm_response_logits` with each distinct prompt computed once.
+    scale: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    fused_lm_head: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[B, R]`` of the response tokens under ``softmax(scale · logits)`` (and their
+    entropies ``[B, R]``, or None), with each distinct prompt computed once.
 
     ``batch`` is an online micro-batch (``input_ids`` = left-padded prompt + right-padded response,
     ``attention_mask``, ``response_ids``, ``response_mask``). Rows whose prompts are identical (the
     ``num_generations`` samples of one prompt in GRPO/RLOO) become ONE unit, prompt once, then every
-    response as its own branch. Returns logits ``[B, R, V]`` predicting each response token, computed
-    only where ``response_mask`` is 1 (zeros elsewhere, which every consumer masks out).
+    response as its own branch. Computed only where ``response_mask`` is 1 (zeros elsewhere, which
+    every consumer masks out).
     """
     ids, attn = batch["input_ids"], batch["attention_mask"]
     resp_mask = batch["response_mask"].bool()
@@ -202,10 +232,17 @@ def packed_response_logits(
     width = packed["input_ids"].shape[1]
     keep = torch.zeros(packed["input_ids"].numel(), dtype=torch.bool, device=ids.device)
     keep[flat] = True
-    picked = _logits_at(model, packed, keep.view(-1, width), flat, prune_last_layer)
-    out = picked.new_zeros(rows, r_len, picked.shape[-1])
-    out[valid] = picked
-    return out
+    targets = batch["response_ids"][valid]
+    logp, entropy = _logprobs_at(
+        model, packed, keep.view(-1, width), flat, targets, prune_last_layer, scale, with_entropy, entropy_grad, fused_lm_head
+    )
+    out = logp.new_zeros(rows, r_len)
+    out[valid] = logp
+    if entropy is None:
+        return out, None
+    ent = entropy.new_zeros(rows, r_len)
+    ent[valid] = entropy
+    return out, ent
 
 
 # -- sequence scores (reward model) -----------------------------------------------------------
@@ -227,7 +264,7 @@ def packed_sequence_scores(model: torch.nn.Module, batch: dict[str, torch.Tensor
     keep[last] = True
     hook = _score_head(model).register_forward_hook(lambda _m, _i, out: captured.__setitem__("scores", out))
     try:
-        with last_layer_only_at(model, keep.view(batch["input_ids"].shape) if _prune(batch) else None):
+        with last_layer_only_at(model, keep.view(batch["input_ids"].shape) if _flag(batch, PRUNE_KEY) else None):
             packed_forward(model, batch)
     finally:
         hook.remove()

@@ -46,6 +46,16 @@ class PackingSettings(StrictConfig):
     )
 
 
+class LMHeadSettings(StrictConfig):
+    """How token log-probs are computed from the policy's last hidden states."""
+
+    fused_lm_head: bool = Field(
+        True,
+        description="log-probs straight from the last hidden states, the LM head and the log-softmax fused per "
+        "chunk of rows (verl_core.lm_head; models of verl_core.forward.FUSED_HEAD_MODELS, others use their logits)",
+    )
+
+
 class PairPackingSettings(PackingSettings):
     """:class:`PackingSettings` for batches of two completions per prompt (pairs, KTO's KL rows)."""
 

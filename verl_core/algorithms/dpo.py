@@ -81,7 +81,14 @@ class DPOTrainer(PreferenceTrainer):
     def collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         c, pad = self.config, self.tokenizer.pad_token_id
         batch = (
-            collate_packed_pairs(examples, pad, c.share_prompt, c.packing_row_tokens, c.prune_last_layer)
+            collate_packed_pairs(
+                examples,
+                pad,
+                c.share_prompt,
+                c.packing_row_tokens,
+                prune_last_layer=c.prune_last_layer,
+                fused_lm_head=c.fused_lm_head,
+            )
             if c.packing
             else collate_pairs(examples, pad)
         )

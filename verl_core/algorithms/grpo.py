@@ -34,7 +34,7 @@ from verl_core.algorithms.sampling import dynamic_collect, overlong_penalty
 from verl_core.forward import attn_implementation
 from verl_core.losses.advantages import ADVANTAGE_ESTIMATORS
 from verl_core.losses.masked import masked_mean
-from verl_core.packing import packed_response_logits, supports_shared_prompt
+from verl_core.packing import packed_response_logprobs, supports_shared_prompt
 
 # The group estimators: every registered estimator but GAE, which needs a critic (PPO's).
 GROUP_ESTIMATORS = tuple(name for name in ADVANTAGE_ESTIMATORS if name != "gae")
@@ -105,13 +105,22 @@ class GRPOTrainer(OnlineTrainer):
             return f"the shared-prompt update needs sdpa or eager attention, the policy uses {attn_implementation(lm)}"
         return None
 
-    def response_logits(self, model, batch):
-        if self.config.packing:
-            c = self.config
-            return packed_response_logits(
-                model, batch, self.policy.tokenizer.pad_token_id, c.packing_row_tokens, c.prune_last_layer
-            )
-        return super().response_logits(model, batch)
+    def response_logprobs(self, model, batch, with_entropy=False):
+        c = self.config
+        if not c.packing:
+            return super().response_logprobs(model, batch, with_entropy)
+        pad = self.policy.tokenizer.pad_token_id
+        return packed_response_logprobs(
+            model,
+            batch,
+            pad,
+            c.packing_row_tokens,
+            c.prune_last_layer,
+            1.0 / c.temperature,
+            with_entropy,
+            c.entropy_coef > 0,
+            c.fused_lm_head,
+        )
 
     def collect(self, step):
         if self.config.dynamic_sampling:

@@ -93,7 +93,12 @@ class KTOTrainer(PreferenceTrainer):
         if c.packing:
             return attach_reference(
                 collate_packed_kto(
-                    examples, self.tokenizer.pad_token_id, c.share_prompt, c.packing_row_tokens, c.prune_last_layer
+                    examples,
+                    self.tokenizer.pad_token_id,
+                    c.share_prompt,
+                    c.packing_row_tokens,
+                    prune_last_layer=c.prune_last_layer,
+                    fused_lm_head=c.fused_lm_head,
                 ),
                 examples,
             )

@@ -54,7 +54,7 @@ from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.data import tokenize_prompts
 from verl_core.engine import Engine, LossOutput, TrainingError, TrainResult
-from verl_core.logprobs import entropy_from_logits, selected_logprobs
+from verl_core.forward import response_logprobs
 from verl_core.losses.masked import masked_mean
 from verl_core.losses.policy import POLICY_LOSSES, AdaptiveKLController, FixedKLController, aggregate, kl_penalty
 from verl_core.models import save_pretrained_atomic
@@ -102,7 +102,11 @@ class OnlineTrainer:
         self.sampling = SamplingParams(**shared, n=c.num_generations, batch_size=c.generation_batch_size)
         torch.manual_seed(c.seed)
         self.config, self.speed_features = resolve_speed(
-            self.policy.model, c, type(self).__name__, unsupported=self.packing_unsupported(self.policy.model)
+            self.policy.model,
+            c,
+            type(self).__name__,
+            unsupported=self.packing_unsupported(self.policy.model),
+            fused_head_unsupported=self.fused_head_unsupported,
         )
         self.module = self.build_module(self.policy.model)
         uses_ref = c.kl_coef > 0 or c.adaptive_kl
@@ -119,6 +123,8 @@ class OnlineTrainer:
         """Why this trainer cannot update ``lm`` on packed batches (None: it can, or has no packed path)."""
         return None
 
+    fused_head_unsupported: str | None = None  # why the policy's log-probs cannot skip its logits
+
     def build_module(self, lm: torch.nn.Module) -> torch.nn.Module:
         """The module the engine optimises (default: the policy LM itself)."""
         return lm
@@ -126,13 +132,20 @@ class OnlineTrainer:
     def policy_lm(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
 
-    def forward(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits that predict each response token, [B, R, V], and values [B, R] (or None)."""
-        return self.response_logits(model, batch), None
+    def policy_outputs(
+        self, model, batch: dict[str, torch.Tensor], with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Response log-probs at the sampling temperature [B, R], their entropies [B, R] (when
+        asked, else None) and values [B, R] (or None) of the module being optimised."""
+        return *self.response_logprobs(model, batch, with_entropy), None
 
-    def response_logits(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """[B, R, V] logits of a plain LM (the policy, the reference) at the response positions."""
-        return lm_response_logits(model, batch)
+    def response_logprobs(
+        self, model, batch: dict[str, torch.Tensor], with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, R] log-probs at the sampling temperature of a plain LM (the policy, the reference),
+        and their entropies (or None)."""
+        c = self.config
+        return response_logprobs(model, batch, 1.0 / c.temperature, with_entropy, c.entropy_coef > 0, c.fused_lm_head)
 
     def compute_advantages(self, exp: dict[str, torch.Tensor], scores: torch.Tensor) -> dict[str, float]:
         """Write ``exp["advantages"]`` ([B, R], 0 off the mask); return metrics."""
@@ -305,13 +318,13 @@ class OnlineTrainer:
             mb = {k: v[s : s + chunk] for k, v in exp.items()}
             if need_old:
                 self.engine.model.eval()
-                logits, v = self.forward(self.engine.model, mb)
-                old.append(selected_logprobs(logits / c.temperature, mb["response_ids"]))
+                logp, _, v = self.policy_outputs(self.engine.model, mb)
+                old.append(logp)
                 if v is not None:
                     values.append(v.float())
             if self.reference is not None:
                 with acc.autocast():
-                    ref.append(selected_logprobs(self.response_logits(self.reference, mb) / c.temperature, mb["response_ids"]))
+                    ref.append(self.response_logprobs(self.reference, mb)[0])
         mask = exp["response_mask"].bool()
         if need_old:
             exp["old_logp"] = torch.where(mask, torch.cat(old), 0.0)
@@ -347,16 +360,13 @@ class OnlineTrainer:
     def loss(self, model, mb: dict[str, torch.Tensor]) -> LossOutput:
         """Clipped surrogate + entropy bonus + KL (``kl_in="loss"``) + the algorithm's extra loss."""
         c = self.config
-        logits, values = self.forward(model, mb)
-        logits = logits / c.temperature
+        logp, token_entropy, values = self.policy_outputs(model, mb, with_entropy=True)
         mask = mb["response_mask"]
-        logp = selected_logprobs(logits, mb["response_ids"])
         old = mb["old_logp"] if "old_logp" in mb else logp.detach()
         pl = POLICY_LOSSES[c.policy_loss](old, logp, mb["advantages"], mask, **c.policy_loss_kwargs())
         total = pl.loss
         norm = c.aggregation_norm
-        with torch.set_grad_enabled(c.entropy_coef > 0 and torch.is_grad_enabled()):
-            entropy = aggregate(entropy_from_logits(logits), mask, c.aggregation, norm)
+        entropy = aggregate(token_entropy, mask, c.aggregation, norm)
         if c.entropy_coef > 0:
             total = total - c.entropy_coef * entropy
         ratio_dev = torch.where(mask.bool(), (logp.detach() - old).exp() - 1, 0.0).abs()
@@ -379,16 +389,3 @@ class OnlineTrainer:
         # token for every seq-mean-* aggregation (seq-mean-token-sum-norm's constant is inside the mean)
         units = mask.sum() if c.aggregation == "token-mean" else (mask.sum(-1) > 0).sum()
         return LossOutput(loss_sum=total * units, count=units.item(), metrics=metrics)
-
-
-def lm_response_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits at the positions that predict the response tokens: [B, R, V] (only those are computed)."""
-    r = batch["response_ids"].shape[1]
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        use_cache=False,
-        logits_to_keep=r + 1,
-    )
-    return out.logits[:, :-1]

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from verl_core.algorithms.base import LMHeadSettings
 from verl_core.engine import TrainConfig
 from verl_core.losses.policy import AGG_MODES, POLICY_LOSSES
 from verl_core.rewards.model import RewardSourceConfig
@@ -17,7 +18,7 @@ PolicyLossName = Literal[tuple(POLICY_LOSSES)]  # type: ignore[valid-type]
 LossAgg = Literal[AGG_MODES]  # type: ignore[valid-type]
 
 
-class OnlineConfig(TrainConfig, RewardSourceConfig):
+class OnlineConfig(TrainConfig, RewardSourceConfig, LMHeadSettings):
     """Settings shared by PPO, GRPO, RLOO and REINFORCE++. ``max_steps`` counts rollout steps."""
 
     learning_rate: float = Field(1e-5, gt=0)

@@ -28,6 +28,7 @@ import torch
 from pydantic import Field
 
 from verl_core.algorithms.online import OnlineConfig, OnlineTrainer
+from verl_core.logprobs import scaled_logprobs
 from verl_core.losses.advantages import gae_advantages
 from verl_core.losses.masked import masked_mean, masked_var, masked_whiten
 from verl_core.losses.policy import ppo_value_loss
@@ -87,6 +88,7 @@ class PPOTrainer(OnlineTrainer):
     config_cls = PPOConfig
     config: PPOConfig
     needs_values = True
+    fused_head_unsupported = "the value model returns the policy's logits with its values (the reference's are fused)"
 
     def packing_unsupported(self, lm: torch.nn.Module) -> str | None:
         return "PPO's value head reads the padded layout (no packed path yet)"
@@ -99,15 +101,17 @@ class PPOTrainer(OnlineTrainer):
     def policy_lm(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.lm
 
-    def forward(self, model, batch):
-        r = batch["response_ids"].shape[1]
+    def policy_outputs(self, model, batch, with_entropy=False):
+        c, r = self.config, batch["response_ids"].shape[1]
         logits, values = model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             position_ids=batch["position_ids"],
             logits_to_keep=r + 1,
         )
-        return logits[:, :-1], values[:, :-1].float()
+        scale = 1.0 / c.temperature
+        logp, entropy = scaled_logprobs(logits[:, :-1], batch["response_ids"], scale, with_entropy, c.entropy_coef > 0)
+        return logp, entropy, values[:, :-1].float()
 
     def compute_advantages(self, exp, scores):
         c = self.config

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field
 
-from verl_core.algorithms.base import OfflineTrainer, PairPackingSettings
+from verl_core.algorithms.base import LMHeadSettings, OfflineTrainer, PairPackingSettings
 from verl_core.config import ConfigError
 from verl_core.data.formats import LongPromptPolicy
 from verl_core.engine import Engine, TrainConfig, steps_for
@@ -45,7 +45,7 @@ from verl_core.precision import allow_precision_change
 REF_KEY = "ref_logps"
 
 
-class PreferenceConfig(TrainConfig, PairPackingSettings):
+class PreferenceConfig(TrainConfig, PairPackingSettings, LMHeadSettings):
     """Settings shared by the DPO family and KTO."""
 
     learning_rate: float = Field(5e-6, gt=0)

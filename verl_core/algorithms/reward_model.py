@@ -51,7 +51,7 @@ class RewardTrainer(OfflineTrainer):
         c = self.config
         if c.packing:
             batch = packing.collate_packed_pairs(
-                examples, self.tokenizer.pad_token_id, c.share_prompt, c.packing_row_tokens, c.prune_last_layer
+                examples, self.tokenizer.pad_token_id, c.share_prompt, c.packing_row_tokens, prune_last_layer=c.prune_last_layer
             )
         else:
             batch = collate_pairs(examples, self.tokenizer.pad_token_id)

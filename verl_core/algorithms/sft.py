@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from verl_core.algorithms.base import OfflineTrainer, PackingSettings
+from verl_core.algorithms.base import LMHeadSettings, OfflineTrainer, PackingSettings
 from verl_core.data import collate_sft, tokenize_sft
 from verl_core.data.formats import LongPromptPolicy
 from verl_core.data.packing import collate_packed_sft
@@ -12,7 +12,7 @@ from verl_core.engine import LossOutput, TrainConfig
 from verl_core.packing import model_token_logprobs
 
 
-class SFTConfig(TrainConfig, PackingSettings):
+class SFTConfig(TrainConfig, PackingSettings, LMHeadSettings):
     learning_rate: float = Field(1e-3, gt=0)
     max_length: int = Field(512, ge=2)
     max_prompt_length: int | None = None
@@ -35,7 +35,13 @@ class SFTTrainer(OfflineTrainer):
     def collate(self, examples):
         c = self.config
         if c.packing:
-            return collate_packed_sft(examples, self.tokenizer.pad_token_id, c.packing_row_tokens, c.prune_last_layer)
+            return collate_packed_sft(
+                examples,
+                self.tokenizer.pad_token_id,
+                c.packing_row_tokens,
+                prune_last_layer=c.prune_last_layer,
+                fused_lm_head=c.fused_lm_head,
+            )
         return collate_sft(examples, self.tokenizer.pad_token_id)
 
     def loss(self, model, batch) -> LossOutput:

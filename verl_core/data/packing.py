@@ -52,6 +52,7 @@ import torch
 
 PACKED_KEY = "packed_index"
 PRUNE_KEY = "prune_last_layer"  # 0-dim bool in a packed batch: see verl_core.forward.last_layer_only_at
+FUSED_HEAD_KEY = "fused_lm_head"  # 0-dim bool in a packed batch: see verl_core.lm_head
 
 
 def is_packed(batch: object) -> bool:
@@ -69,6 +70,7 @@ def collate_packed(
     share_prompt: bool = True,
     row_capacity: RowCapacity = None,
     prune_last_layer: bool = True,
+    fused_lm_head: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Pack ``len(prompts)`` units; ``completions[k][i]`` is the k-th completion of prompt ``i``.
 
@@ -79,8 +81,9 @@ def collate_packed(
     and a unit longer than the capacity gets a row of its own; ``None`` packs one row;
     ``"longest"`` uses the longest unit of the batch, so no row attends over more tokens than
     the padded layout would (the best choice when attention cost grows with the row, e.g. SDPA
-    with a dense mask on CPU), while short units still share rows. ``prune_last_layer`` is
-    recorded in the batch for the forward functions (:func:`verl_core.forward.last_layer_only_at`).
+    with a dense mask on CPU), while short units still share rows. ``prune_last_layer`` and
+    ``fused_lm_head`` are recorded in the batch for the forward functions
+    (:func:`verl_core.forward.last_layer_only_at`, :func:`verl_core.lm_head.linear_logprobs`).
     """
     n_units, n_branches = len(prompts), len(completions)
     if any(len(c) != n_units for c in completions):
@@ -97,6 +100,7 @@ def collate_packed(
         ]
     batch = pack_units(units, n_units * n_branches, pad_id, row_capacity)
     batch[PRUNE_KEY] = torch.tensor(bool(prune_last_layer))
+    batch[FUSED_HEAD_KEY] = torch.tensor(bool(fused_lm_head))
     return batch
 
 
@@ -165,37 +169,36 @@ def pack_units(units: Sequence[Unit], n_seq: int, pad_id: int, row_capacity: Row
 
 
 def _collate_fields(
-    examples: list[dict], fields: tuple[str, ...], pad_id: int, share_prompt: bool, row_capacity: RowCapacity, prune: bool
+    examples: list[dict], fields: tuple[str, ...], pad_id: int, share_prompt: bool, row_capacity: RowCapacity, **flags: bool
 ) -> dict[str, torch.Tensor]:
-    """``collate_packed`` of each example's prompt with its completions named by ``fields`` (one branch each)."""
+    """``collate_packed`` of each example's prompt with its completions named by ``fields`` (one branch
+    each); ``flags``: ``prune_last_layer``, ``fused_lm_head``."""
     completions = [[e[field] for e in examples] for field in fields]
     prompts = [e["prompt_ids"] for e in examples]
-    return collate_packed(
-        prompts, completions, pad_id, share_prompt=share_prompt, row_capacity=row_capacity, prune_last_layer=prune
-    )
+    return collate_packed(prompts, completions, pad_id, share_prompt=share_prompt, row_capacity=row_capacity, **flags)
 
 
 def collate_packed_sft(
-    examples: list[dict], pad_id: int, row_capacity: RowCapacity = None, prune_last_layer: bool = True
+    examples: list[dict], pad_id: int, row_capacity: RowCapacity = None, **flags: bool
 ) -> dict[str, torch.Tensor]:
-    """Packed counterpart of :func:`~verl_core.data.collate_sft`."""
-    return _collate_fields(examples, ("completion_ids",), pad_id, False, row_capacity, prune_last_layer)
+    """Packed counterpart of :func:`~verl_core.data.collate_sft` (``flags``: as :func:`collate_packed`'s)."""
+    return _collate_fields(examples, ("completion_ids",), pad_id, False, row_capacity, **flags)
 
 
 def collate_packed_pairs(
-    examples: list[dict], pad_id: int, share_prompt: bool = True, row_capacity: RowCapacity = None, prune_last_layer: bool = True
+    examples: list[dict], pad_id: int, share_prompt: bool = True, row_capacity: RowCapacity = None, **flags: bool
 ) -> dict[str, torch.Tensor]:
     """Packed counterpart of :func:`~verl_core.data.collate_pairs`: logical rows chosen ``0..B-1``, rejected ``B..2B-1``."""
-    return _collate_fields(examples, ("chosen_ids", "rejected_ids"), pad_id, share_prompt, row_capacity, prune_last_layer)
+    return _collate_fields(examples, ("chosen_ids", "rejected_ids"), pad_id, share_prompt, row_capacity, **flags)
 
 
 def collate_packed_kto(
-    examples: list[dict], pad_id: int, share_prompt: bool = True, row_capacity: RowCapacity = None, prune_last_layer: bool = True
+    examples: list[dict], pad_id: int, share_prompt: bool = True, row_capacity: RowCapacity = None, **flags: bool
 ) -> dict[str, torch.Tensor]:
     """Packed KTO batch: logical rows target ``0..B-1`` (prompt + completion), KL ``B..2B-1``
     (prompt + ``kl_completion_ids``), plus ``labels``; the prompt is shared by both."""
     fields = ("completion_ids", "kl_completion_ids")
-    batch = _collate_fields(examples, fields, pad_id, share_prompt, row_capacity, prune_last_layer)
+    batch = _collate_fields(examples, fields, pad_id, share_prompt, row_capacity, **flags)
     batch["labels"] = torch.tensor([e["label"] for e in examples], dtype=torch.bool)
     return batch
 

@@ -165,16 +165,16 @@ class HFRolloutBackend:
         pad_token_id: int,
         autocast_dtype: torch.dtype | None = None,
     ):
-        self.model = model
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.eos_ids = torch.tensor(eos, dtype=torch.long)
         self.pad_token_id = int(pad_token_id)
         self.autocast_dtype = autocast_dtype
-        self._cache_kw = _cache_keyword(model)
+        self.sync_weights(model)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         self.model = model
         self._cache_kw = _cache_keyword(model)
+        self._keeps_logits = _takes_argument(model, "logits_to_keep")
 
     @torch.no_grad()
     def generate(
@@ -208,9 +208,12 @@ class HFRolloutBackend:
         return batch
 
     def _forward(self, cache=None, **kwargs):
-        """One forward with the KV cache; returns (last-position logits, updated cache)."""
+        """One forward with the KV cache; returns (last-position logits, updated cache). The LM head
+        runs on the last position only (``logits_to_keep=1``): a prefill needs no other logits."""
         if cache is not None:
             kwargs[self._cache_kw] = cache
+        if self._keeps_logits:
+            kwargs["logits_to_keep"] = 1
         if self.autocast_dtype is None:
             out = self.model(**kwargs, use_cache=True)
         else:
@@ -266,12 +269,16 @@ class HFRolloutBackend:
         return batch
 
 
-def _cache_keyword(model: torch.nn.Module) -> str:
-    """The forward argument that takes the KV cache: ``cache`` (transformers >= 5.x) or ``past_key_values``."""
+def _takes_argument(model: torch.nn.Module, name: str) -> bool:
     import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    return name in inspect.signature(base.forward).parameters
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """The forward argument that takes the KV cache: ``cache`` (transformers >= 5.x) or ``past_key_values``."""
+    return "cache" if _takes_argument(model, "cache") else "past_key_values"
 
 
 def row_generator(prompt_seed: int, sample: int, device) -> torch.Generator:

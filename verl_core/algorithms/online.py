@@ -68,7 +68,7 @@ log = logging.getLogger("verl_core")
 
 class OnlineTrainer:
     """The loop above; an algorithm provides :meth:`compute_advantages` and may override
-    :meth:`build_module` / :meth:`forward` / :meth:`extra_loss` (PPO adds a value head)."""
+    :meth:`build_module` / :meth:`policy_outputs` / :meth:`extra_loss` (PPO adds a value head)."""
 
     config_cls: ClassVar[type[OnlineConfig]] = OnlineConfig
     default_rules: ClassVar[dict[str, float]] = {"exact_match": 1.0}

@@ -117,7 +117,13 @@ class Engine:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise TrainingError("model has no trainable parameters")
-        optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=config.adam_betas, weight_decay=config.weight_decay)
+        optimizer = torch.optim.AdamW(
+            params,
+            lr=config.learning_rate,
+            betas=config.adam_betas,
+            weight_decay=config.weight_decay,
+            fused=self._fused_optimizer(params) or None,
+        )
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         # FSDP2 replaces parameters with sharded ones: rescale and clip those (DDP keeps the same objects)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -134,6 +140,16 @@ class Engine:
             self.states["grad_scaler"] = self.accelerator.scaler
         self.params = params
         self.resumed_from_step = 0
+
+    def _fused_optimizer(self, params: list[torch.nn.Parameter]) -> bool:
+        """Whether AdamW runs its fused kernel: asked for, plain floating tensors on CPU or CUDA, and
+        no FSDP / DeepSpeed (which shard or replace the optimizer)."""
+        from accelerate.utils import DistributedType
+
+        kind = self.accelerator.distributed_type
+        sharded = kind in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        plain = all(type(p) is torch.nn.Parameter and p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+        return self.config.fused_optimizer and plain and not sharded
 
     def register_state(self, name: str, obj: Any) -> None:
         """Add a trainer's state (an object with ``state_dict``/``load_state_dict`` of plain data and

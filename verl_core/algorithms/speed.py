@@ -74,6 +74,8 @@ def resolve_speed(
             why["fused_lm_head"] = skip
     elif "fused_lm_head" in fields:
         features["fused_lm_head"] = False
+    if "fused_optimizer" in fields:  # the engine turns it off under FSDP / DeepSpeed
+        features["fused_optimizer"] = config.fused_optimizer
     if unsupported and "packing" not in fields:
         features["packing"], why["packing"] = False, unsupported
     for name, reason in why.items():

@@ -36,6 +36,35 @@ def tiny_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tok(tiny_path):
+    from verl_core.models import load_tokenizer
+
+    return load_tokenizer(tiny_path)
+
+
+@pytest.fixture(scope="session")
+def pair_examples(tok):
+    from verl_core import arithmetic
+    from verl_core.data import tokenize_pairs
+
+    return tokenize_pairs(arithmetic.preference_rows(arithmetic.train_problems(10)), tok, 128)
+
+
+@pytest.fixture(scope="session")
+def small_lm():
+    """``build(model_type, vocab_size)``: a 2-layer, hidden-64 causal LM of that transformers family
+    (``"llama"``, ``"qwen2"``, ...), seeded random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def build(model_type: str, vocab_size: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=vocab_size, head_dim=16, **sizes))
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def sft_path(tiny_path, session_tmp) -> Path:
     """The default model after 900 SFT steps on the bundled task: exact match ~0.5 on held-out
     problems (room to improve), ~110 s on 2 cores in fp32 (``mixed_precision="no"``).

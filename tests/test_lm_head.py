@@ -6,20 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_core import arithmetic, forward, lm_head, packing
-from verl_core.data import tokenize_pairs
+from verl_core import forward, lm_head, packing
 from verl_core.logprobs import entropy_from_logits, selected_logprobs
-from verl_core.models import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_path):
-    return load_tokenizer(tiny_path)
-
-
-@pytest.fixture(scope="module")
-def pair_examples(tok):
-    return tokenize_pairs(arithmetic.preference_rows(arithmetic.train_problems(6)), tok, 128)
 
 
 def _reference(h, w, y, scale):
@@ -53,22 +41,9 @@ def test_fused_logprobs_pass_gradcheck_in_fp64():
 
 
 @pytest.mark.parametrize("name", forward.FUSED_HEAD_MODELS)
-def test_every_fused_model_family_gives_its_own_logits_log_probs_and_gradients(tok, pair_examples, name):
+def test_every_fused_model_family_gives_its_own_logits_log_probs_and_gradients(tok, pair_examples, small_lm, name):
     """Fails when a transformers release puts something between the last hidden state and the logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        name.removesuffix("ForCausalLM").lower(),
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    model = small_lm(name.removesuffix("ForCausalLM").lower(), len(tok))
     assert type(model).__name__ == name and forward.fused_head_skip_reason(model) is None
     ids = torch.tensor([[5, 9, 13, 2, 7]])
     out = model(input_ids=ids, output_hidden_states=True)

@@ -16,7 +16,6 @@ from verl_core.data import (
     collate_pairs,
     collate_sequences,
     collate_sft,
-    tokenize_pairs,
     tokenize_prompts,
     tokenize_sft,
     tokenize_unpaired,
@@ -27,19 +26,9 @@ from verl_core.packing import model_token_logprobs
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_path):
-    return load_tokenizer(tiny_path)
-
-
-@pytest.fixture(scope="module")
 def sft_examples(tok):
     no_prompt = tokenize_sft([{"text": "Ann has 3 cups."}], tok, 128)  # a row with no prompt
     return tokenize_sft(arithmetic.sft_rows(12), tok, 128) + no_prompt
-
-
-@pytest.fixture(scope="module")
-def pair_examples(tok):
-    return tokenize_pairs(arithmetic.preference_rows(arithmetic.train_problems(10)), tok, 128)
 
 
 def _model(path, impl="sdpa", dtype=torch.float32):
@@ -398,23 +387,9 @@ def test_pruned_last_layer_gives_the_full_layers_logprobs_and_gradients(tiny_pat
 
 
 @pytest.mark.parametrize("layer", forward.PRUNABLE_LAYERS)
-def test_every_prunable_layer_gives_the_full_layers_logprobs(tok, pair_examples, layer):
+def test_every_prunable_layer_gives_the_full_layers_logprobs(tok, pair_examples, small_lm, layer):
     """Fails when a transformers release changes what a known decoder layer does after o_proj."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(
-            layer.removesuffix("DecoderLayer").lower(),
-            vocab_size=len(tok),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-        )
-    ).eval()
+    model = small_lm(layer.removesuffix("DecoderLayer").lower(), len(tok)).eval()
     assert type(model.model.layers[-1]).__name__ == layer and forward.can_prune_last_layer(model)
     seen, lps = _mlp_rows(model), []
     for prune in (False, True):

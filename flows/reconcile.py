@@ -54,7 +54,10 @@ def crash_runs_of_dead_processes() -> list[str]:
             why = f"process {owner['verl_core.pid']} on {owner['verl_core.host']} that ran it is gone (killed or crashed)"
             tasks = client.read_task_runs(
                 flow_run_filter=FlowRunFilter(id={"any_": [run.id]}),
-                task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING]))),
+                # name=None: prefect < 3.9 requires the field (3.7.7 is what the [vllm] extra resolves to)
+                task_run_filter=TaskRunFilter(
+                    state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.RUNNING]), name=None)
+                ),
             )
             for task_run in tasks:
                 client.set_task_run_state(task_run.id, Crashed(message=f"ended by a later run: the {why}"), force=True)

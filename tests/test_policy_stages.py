@@ -29,7 +29,8 @@ def tiny_run(tmp: Path, algorithm: str) -> list[str]:
     kind = ALGORITHMS[algorithm].kind
     sizes = {
         "offline": ["batch_size=4"],
-        "online": ["batch_size=8", "max_new_tokens=24", "mini_batch_size=4"],
+        # 16 samples: with 8, both groups of the 2 steps could all score 0 (no advantage, no update)
+        "online": ["batch_size=16", "max_new_tokens=24", "mini_batch_size=8"],
         "rounds": ["batch_size=4", "rounds=2", "prompts_per_round=16"],
     }[kind]
     return [

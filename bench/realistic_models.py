@@ -74,6 +74,7 @@ class RealSpec(BenchSpec):
     dtype: str = "fp32"
     trl_best: bool = False  # the TRL side: its defaults, or the best settings it offers here
     corpus_limit: int = 0  # train the tokenizer on the first N texts only (0: all; tests)
+    rollout_backend: str = "hf"  # GRPO, our side: rollout.backend (bench/vllm_rollout.py runs it with vllm)
 
     def __post_init__(self):
         for key, value in SHAPES[self.shape].items():

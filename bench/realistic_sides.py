@@ -66,7 +66,8 @@ def _timing(spans: list[tuple[float, float]], clock: StepClock) -> dict[str, flo
     before = sum(min(end, call) - start for start, end in spans if start < call)
     unix = time.time() - time.perf_counter()
     return {"epoch_s": clock.ticks[-1] - call + before, "precompute_s": sum(end - start for start, end in spans),
-            "first_step_s": clock.ticks[0] + unix - psutil.Process().create_time()}
+            "first_step_s": clock.ticks[0] + unix - psutil.Process().create_time(),
+            "after_first_step_s": clock.ticks[-1] - clock.ticks[0]}
 
 
 def _tokenizer(spec: RealSpec):
@@ -101,7 +102,7 @@ def run_ours(algo: str, spec: RealSpec, clock: StepClock) -> dict[str, Any]:
         trainer = GRPOTrainer(policy=path, prompts=rows, callbacks=callbacks, batch_size=spec.grpo_batch,
                               num_generations=spec.num_generations, max_new_tokens=spec.max_completion_length,
                               temperature=spec.temperature, max_prompt_length=spec.max_prompt_length,
-                              reward_rules={GRPO_REWARD: 1.0}, **common)
+                              reward_rules={GRPO_REWARD: 1.0}, rollout={"backend": spec.rollout_backend}, **common)
     else:
         from verl_core.algorithms.dpo import DPOTrainer
         from verl_core.algorithms.kto import KTOTrainer

@@ -29,8 +29,8 @@ import harness  # noqa: E402
 from harness import ALGOS, BenchSpec  # noqa: E402
 from threads import resolve_threads  # noqa: E402
 
-SMALL_MODEL = {"hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
-               "num_key_value_heads": 2}
+SMALL_MODEL = {"hidden_size": 96, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 3,
+               "num_key_value_heads": 1}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -181,3 +181,96 @@ def test_a_lora_policy_is_synced_with_its_adapters_merged(sft_path, engine, prom
         assert not any(getattr(m, "merged", False) for m in model.modules())  # the adapters were unmerged again
     finally:
         engine.sync_weights(load_causal_lm(sft_path, trainable=False))
+
+
+# GRPO on the default task, the same recipe with either backend: 20 rollout steps of 32 prompts x 4
+# samples, two epochs of two mini-batches, lr 1e-4, fp32. Measured from a 900-step SFT policy (exact
+# match 0.365 on 200 held-out problems): HF 0.545, vLLM 0.590, vLLM + TIS 0.590 (the mismatch is ~4e-7
+# per token in fp32, so the TIS weights are 1 to six digits).
+GRPO_RECIPE = dict(
+    learning_rate=1e-4,
+    batch_size=128,
+    num_generations=4,
+    mini_batch_size=64,
+    ppo_epochs=2,
+    max_steps=20,
+    max_new_tokens=24,
+    mixed_precision="no",
+    progress=False,
+    logging_steps=5,
+    seed=0,
+)
+
+
+@needs_vllm
+def test_grpo_with_vllm_raises_held_out_exact_match_like_the_hf_backend_with_and_without_tis(sft_path):
+    from verl_core.algorithms.grpo import GRPOTrainer
+    from verl_core.evaluation import answer_accuracy
+
+    rows = arithmetic.eval_rows(200)
+    tok = load_tokenizer(sft_path)
+    before = answer_accuracy(load_causal_lm(sft_path, trainable=False), tok, rows, max_new_tokens=24)
+    gains, histories = {}, {}
+    for name, settings in {
+        "hf": {},
+        "vllm": {"rollout": {"backend": "vllm", "enforce_eager": True}},  # eager: starts in seconds
+        "vllm+tis": {"rollout": {"backend": "vllm", "enforce_eager": True}, "rollout_correction": "tis"},
+    }.items():
+        trainer = GRPOTrainer(str(sft_path), **GRPO_RECIPE, **settings)
+        histories[name] = trainer.train().history
+        gains[name] = answer_accuracy(trainer.policy.model, tok, rows, max_new_tokens=24) - before
+        assert trainer.backend is None  # the engine the run started was closed
+    assert all(g >= 0.05 for g in gains.values()), gains
+    assert "mismatch/kl" not in histories["hf"]  # the HF backend samples from the training model itself
+    for name in ("vllm", "vllm+tis"):
+        assert max(v for _, v in histories[name]["mismatch/logp_abs_diff_mean"]) < 1e-4
+    assert "mismatch/tis_weight_mean" in histories["vllm+tis"] and "mismatch/tis_weight_mean" not in histories["vllm"]
+
+
+def test_the_rollout_setting_reaches_every_sampling_stage_from_the_cli_overrides():
+    from verl_core.config import ConfigError
+    from verl_core.pipeline import load_pipeline_config
+
+    cfg = load_pipeline_config(
+        None,
+        [
+            "policy_optimisation.grpo.rollout.backend=vllm",
+            "policy_optimisation.grpo.rollout_correction=tis",
+            "preference_data.sample_and_score.rollout.backend=vllm",
+            "evaluation.rollout.backend=vllm",
+        ],
+    )
+    assert cfg.policy_optimisation.grpo.rollout.backend == "vllm" and cfg.policy_optimisation.grpo.rollout_correction == "tis"
+    assert cfg.preference_data.sample_and_score.rollout.backend == "vllm" and cfg.evaluation.rollout.backend == "vllm"
+    assert cfg.policy_optimisation.ppo.rollout.backend == "hf"  # the default stays hf
+    with pytest.raises(ConfigError, match="sglang"):
+        load_pipeline_config(None, ["policy_optimisation.grpo.rollout.backend=sglang"])
+    with pytest.raises(ConfigError, match="kv_cache_gb"):
+        load_pipeline_config(None, ["policy_optimisation.grpo.rollout.kv_cache_gb=2"])
+
+
+@needs_vllm
+def test_preference_data_sampled_by_vllm_pairs_and_resumes(sft_path, tmp_path):
+    from verl_core.preference_data import PreferenceDataConfig, ShardMismatchError, generate_preference_data
+
+    settings = dict(
+        n_samples=4, sampling={"max_new_tokens": 24}, shard_size=8, batch_size=8, tie_break="logprob",
+        rollout={"backend": "vllm", "enforce_eager": True}, formats=["arrow"], progress=False,
+    )  # fmt: skip
+    out = tmp_path / "pref"
+    result = generate_preference_data(sft_path, arithmetic.prompt_rows(16), PreferenceDataConfig(**settings), out)
+    assert result.counts["pairs"] > 0 and result.provenance["sampling"]["max_new_tokens"] == 24
+    again = generate_preference_data(sft_path, arithmetic.prompt_rows(16), PreferenceDataConfig(**settings), out)
+    assert again.counts == result.counts  # every shard reused: no engine was needed
+    with pytest.raises(ShardMismatchError):  # shards sampled by vLLM are not reused for the HF backend
+        generate_preference_data(sft_path, arithmetic.prompt_rows(16), PreferenceDataConfig(**{**settings, "rollout": {}}), out)
+
+
+@needs_vllm
+def test_the_evaluation_stage_scores_the_same_greedy_answers_with_either_backend(sft_path):
+    from verl_core.pipeline.evaluation import score_policy
+
+    rows = arithmetic.eval_rows(64)
+    hf = score_policy(str(sft_path), rows, "exact_match", 24, None)
+    vllm = score_policy(str(sft_path), rows, "exact_match", 24, None, rollout=RolloutConfig(backend="vllm", enforce_eager=True))
+    assert vllm == hf and 0 < hf[0]["accuracy"] < 1

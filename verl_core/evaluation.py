@@ -12,9 +12,15 @@ from verl_core.packing import model_token_logprobs
 
 @torch.no_grad()
 def greedy_completions(
-    model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int = 32, batch_size: int = 64
+    model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int = 32, batch_size: int = 64, backend=None
 ) -> list[str]:
-    """Greedy decode (KV cache, left padding, stop at EOS) and return the decoded completions."""
+    """Greedy decode (KV cache, left padding, stop at EOS) and return the decoded completions; with a
+    rollout ``backend`` (:mod:`verl_core.rollout_backends`), through it."""
+    if backend is not None:
+        from verl_core.rollout import SamplingParams, decode_responses
+
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, batch_size=batch_size)
+        return decode_responses(tokenizer, backend.generate(prompt_ids, params))
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -37,13 +43,19 @@ def greedy_completions(
 
 
 def answer_rewards(
-    model, tokenizer, rows: Any, reward: str = "exact_match", max_new_tokens: int = 32, max_prompt_length: int = 256
+    model,
+    tokenizer,
+    rows: Any,
+    reward: str = "exact_match",
+    max_new_tokens: int = 32,
+    max_prompt_length: int = 256,
+    backend=None,
 ) -> tuple[list[str], list[float]]:
     """Greedy answers to prompt rows carrying ``ground_truth``, and each answer's rule reward."""
     from verl_core.rewards.rules import get_rule_reward
 
     examples = tokenize_prompts(rows, tokenizer, max_prompt_length)
-    texts = greedy_completions(model, tokenizer, [e["prompt_ids"] for e in examples], max_new_tokens)
+    texts = greedy_completions(model, tokenizer, [e["prompt_ids"] for e in examples], max_new_tokens, backend=backend)
     return texts, list(get_rule_reward(reward)(texts, [e["ground_truth"] for e in examples]))
 
 

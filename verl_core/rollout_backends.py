@@ -44,7 +44,11 @@ class RolloutConfig(StrictConfig):
     sleep_between_rollouts: bool = Field(
         False, description="vllm on GPU: free the engine's memory during the update (sleep level 1, woken for sampling)"
     )
-    enforce_eager: bool = Field(True, description="vllm: no graph capture / compile (starts in seconds)")
+    enforce_eager: bool = Field(
+        False,
+        description="vllm: skip torch.compile / graph capture; true starts in ~4 s instead of ~20 s (12 s with a warm "
+        "compile cache) but samples slower (bench model on 2 CPU cores: 7.3k vs 9.7k tokens/s)",
+    )
     engine_options: dict[str, Any] = Field(default_factory=dict, description="vllm: further vllm.LLM keyword arguments")
 
 
@@ -93,6 +97,13 @@ def build_rollout_backend(
     """The backend ``config.backend`` names, sampling from ``model`` (its current weights)."""
     config = config or RolloutConfig()
     return ROLLOUT_BACKENDS[config.backend](config, model, tokenizer, autocast_dtype, model_path)
+
+
+def close_backend(backend: RolloutBackend | None) -> None:
+    """Free an engine's memory now (a vLLM engine holds its KV cache until closed); the HF backend has none of its own."""
+    close = getattr(backend, "close", None)
+    if close is not None:
+        close()
 
 
 class _model_folder:

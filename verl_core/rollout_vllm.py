@@ -88,7 +88,7 @@ class VLLMRolloutBackend:
         dtype: str = "float32",
         *,
         max_model_len: int | None = None,
-        enforce_eager: bool = True,
+        enforce_eager: bool = False,
         kv_cache_space_gib: float = 1.0,
         gpu_memory_utilization: float = 0.3,
         sleep_between_rollouts: bool = False,

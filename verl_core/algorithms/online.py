@@ -63,7 +63,7 @@ from verl_core.policies import LLMPolicy
 from verl_core.precision import AUTOCAST_DTYPES, allow_precision_change
 from verl_core.rewards.model import RewardModel, RewardSource, UserRewards
 from verl_core.rollout import HFRolloutBackend, RolloutBackend, RolloutBatch, SamplingParams, decode_responses
-from verl_core.rollout_backends import build_rollout_backend
+from verl_core.rollout_backends import build_rollout_backend, close_backend
 
 log = logging.getLogger("verl_core")
 
@@ -209,16 +209,24 @@ class OnlineTrainer:
                 )
             autocast = AUTOCAST_DTYPES.get(c.mixed_precision)
             self.backend = build_rollout_backend(c.rollout, lm, self.policy.tokenizer, autocast, self.policy.source)
+            owned = self.backend
+        else:
+            owned = None
         if engine.is_main:
             log.info("%s: %s", type(self).__name__, describe(self.speed_features))
         speed = {f"speed/{k}": v for k, v in self.speed_features.items() if k != "fallbacks"}
-        result = engine.run(
-            self.train_step,
-            eval_fn=self.evaluate if self.eval_prompts is not None else None,
-            params={"algorithm": type(self).__name__, **speed},
-            desc=type(self).__name__,
-            progress_key="reward/mean",
-        )
+        try:
+            result = engine.run(
+                self.train_step,
+                eval_fn=self.evaluate if self.eval_prompts is not None else None,
+                params={"algorithm": type(self).__name__, "rollout_backend": c.rollout.backend, **speed},
+                desc=type(self).__name__,
+                progress_key="reward/mean",
+            )
+        finally:
+            if owned is not None:  # an engine this run started: its memory goes back now
+                close_backend(owned)
+                self.backend = None
         result.output_dir = None
         if c.output_dir and engine.is_main:
             result.output_dir = str(save_pretrained_atomic(lm, self.policy.tokenizer, Path(c.output_dir) / FINAL_MODEL_DIR))

@@ -36,6 +36,7 @@ from verl_core.pipeline.launcher_config import LauncherConfig
 from verl_core.preference_data import PreferenceDataConfig
 from verl_core.rewards.model import RewardSourceConfig
 from verl_core.rollout import SamplingParams
+from verl_core.rollout_backends import RolloutConfig
 
 EXACT_MATCH = {"exact_match": 1.0}
 _STAGE_LAUNCHER = "this stage's launcher; null = the pipeline's `launcher`"
@@ -254,6 +255,7 @@ class EvaluationStageConfig(StrictConfig):
     max_new_tokens: int = Field(32, ge=1)
     max_prompt_length: int = Field(256, ge=1, description="a longer prompt is an error naming its row")
     include_base: bool = True
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="the engine of the greedy answers: hf | vllm")
 
 
 class TrackingConfig(StrictConfig):

@@ -10,6 +10,7 @@ from verl_core import arithmetic
 from verl_core.pipeline.data import data_label, load_data, prompt_rows
 from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOutput, Step
 from verl_core.pipeline.report import plot_report, write_csv
+from verl_core.rollout_backends import RolloutConfig, build_rollout_backend, close_backend
 
 
 def _bundled(cfg) -> list[dict] | None:
@@ -18,23 +19,35 @@ def _bundled(cfg) -> list[dict] | None:
 
 
 def score_policy(
-    path: str, rows: list[dict], reward: str | None, max_new_tokens: int, reward_model: str | None, max_prompt_length: int = 256
+    path: str,
+    rows: list[dict],
+    reward: str | None,
+    max_new_tokens: int,
+    reward_model: str | None,
+    max_prompt_length: int = 256,
+    rollout: RolloutConfig | None = None,
 ) -> tuple[dict[str, float], list[str]]:
-    """Greedy answers of the policy at ``path``: mean rule reward (``accuracy``), mean reward-model
-    score (``reward_score``), and the answers."""
+    """Greedy answers of the policy at ``path`` (sampled by the ``rollout`` backend, default hf): mean
+    rule reward (``accuracy``), mean reward-model score (``reward_score``), and the answers."""
     from verl_core.data import tokenize_prompts
     from verl_core.evaluation import answer_rewards, greedy_completions
     from verl_core.models import load_causal_lm, load_tokenizer
     from verl_core.rewards.model import RewardModel
 
     model, tok = load_causal_lm(path, trainable=False), load_tokenizer(path)
+    backend = None
+    if rollout is not None and rollout.backend != "hf":
+        backend = build_rollout_backend(rollout, model, tok, model_path=path)
     out: dict[str, float] = {}
-    if reward is not None:
-        texts, scores = answer_rewards(model, tok, rows, reward, max_new_tokens, max_prompt_length)
-        out["accuracy"] = sum(scores) / len(scores)
-    else:
-        examples = tokenize_prompts(rows, tok, max_prompt_length)
-        texts = greedy_completions(model, tok, [e["prompt_ids"] for e in examples], max_new_tokens)
+    try:
+        if reward is not None:
+            texts, scores = answer_rewards(model, tok, rows, reward, max_new_tokens, max_prompt_length, backend)
+            out["accuracy"] = sum(scores) / len(scores)
+        else:
+            examples = tokenize_prompts(rows, tok, max_prompt_length)
+            texts = greedy_completions(model, tok, [e["prompt_ids"] for e in examples], max_new_tokens, backend=backend)
+    finally:
+        close_backend(backend)
     if reward_model is not None:
         out["reward_score"] = RewardModel.from_pretrained(reward_model).score([r["prompt"] for r in rows], texts).mean().item()
     return out, texts
@@ -66,7 +79,7 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
     for label, rec in policies:
         if rec.fingerprint not in scored:
             scored[rec.fingerprint] = score_policy(
-                rec.output_path, rows, c.reward, c.max_new_tokens, rm.output_path if rm else None, c.max_prompt_length
+                rec.output_path, rows, c.reward, c.max_new_tokens, rm.output_path if rm else None, c.max_prompt_length, c.rollout
             )
         table.append({"policy": label, "stage": rec.stage, **scored[rec.fingerprint][0]})
     metrics = {f"{k}/{row['policy']}": row[k] for row in table for k in ("accuracy", "reward_score") if k in row}

@@ -12,6 +12,7 @@ from verl_core.config import ConfigError, StrictConfig
 from verl_core.models import DType
 from verl_core.rewards.model import RewardSourceConfig
 from verl_core.rollout import SamplingParams
+from verl_core.rollout_backends import RolloutConfig
 
 FORMAT_VERSION = "preference-data-1"
 OUTPUT_KINDS = ("pairs", "unpaired", "best_of_n")
@@ -31,6 +32,7 @@ class PreferenceDataConfig(StrictConfig):
         default_factory=lambda: SamplingParams(max_new_tokens=64),
         description="temperature, top_p, top_k, max_new_tokens, batch_size; n must be 1 or n_samples",
     )
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="the sampling engine: hf | vllm, and its options")
     seed: int = 0
     reward: RewardSourceConfig = Field(
         default_factory=RewardSourceConfig, description="rules and/or a reward model; nothing given means exact_match"

@@ -28,6 +28,7 @@ from verl_core.preference_data.config import (
 from verl_core.preference_data.rows import build_rows
 from verl_core.rewards.model import RewardModel, RewardSource, RewardSourceConfig, UserRewards
 from verl_core.rollout import SamplingParams, decode_responses
+from verl_core.rollout_backends import build_rollout_backend, close_backend
 
 
 def derive_seed(seed: int, *parts: int) -> int:
@@ -133,6 +134,7 @@ def generate_preference_data(
         "dtype": config.dtype,
         "prompts_fingerprint": _json_hash([[e["prompt"], e["ground_truth"]] for e in examples]),
         "sampling": params.model_dump(mode="json"),
+        "rollout_backend": config.rollout.backend,
         "seed": config.seed,
         "shard_size": config.shard_size,
         "batch_size": config.batch_size,
@@ -144,21 +146,24 @@ def generate_preference_data(
     n_shards = math.ceil(len(examples) / config.shard_size)
     todo = [i for i in range(n_shards) if _read_shard(shard_dir, i, _shard_range(i, config, len(examples)), params.n) is None]
     done_prompts = len(examples) - sum(len(range(*_shard_range(i, config, len(examples)))) for i in todo)
-    backend = policy.rollout_backend()
-    with progress_bar(len(examples), done_prompts, "preference data", "prompt", disable=not config.progress) as bar:
-        for shard in todo:
-            start, stop = _shard_range(shard, config, len(examples))
-            records: list[dict] = []
-            for b, lo in enumerate(range(start, stop, config.batch_size)):
-                chunk = examples[lo : min(lo + config.batch_size, stop)]
-                records += _sample_and_score(
-                    backend, policy.tokenizer, source, chunk, lo, params, derive_seed(config.seed, shard, b)
-                )
-                bar.update(len(chunk))
-            path = _shard_path(shard_dir, shard)
-            _write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
-            if on_shard_end is not None:
-                on_shard_end(shard, path)
+    backend = build_rollout_backend(config.rollout, policy.model, policy.tokenizer, model_path=policy.source) if todo else None
+    try:
+        with progress_bar(len(examples), done_prompts, "preference data", "prompt", disable=not config.progress) as bar:
+            for shard in todo:
+                start, stop = _shard_range(shard, config, len(examples))
+                records: list[dict] = []
+                for b, lo in enumerate(range(start, stop, config.batch_size)):
+                    chunk = examples[lo : min(lo + config.batch_size, stop)]
+                    records += _sample_and_score(
+                        backend, policy.tokenizer, source, chunk, lo, params, derive_seed(config.seed, shard, b)
+                    )
+                    bar.update(len(chunk))
+                path = _shard_path(shard_dir, shard)
+                _write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+                if on_shard_end is not None:
+                    on_shard_end(shard, path)
+    finally:
+        close_backend(backend)
 
     samples = [r for i in range(n_shards) for r in _read_shard(shard_dir, i, _shard_range(i, config, len(examples)), params.n)]
     rows, counts, stats = build_rows(samples, config)

@@ -179,7 +179,7 @@ def test_packed_reward_scores_equal_padded(tiny_path, tok, pair_examples, share_
     torch.testing.assert_close(r_packed, r_pad, rtol=1e-5, atol=1e-5)
     grad_pad = torch.autograd.grad(-(c_pad - r_pad).sigmoid().log().mean(), [rm.score.weight])[0]
     grad_packed = torch.autograd.grad(-(c_packed - r_packed).sigmoid().log().mean(), [rm.score.weight])[0]
-    torch.testing.assert_close(grad_packed, grad_pad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(grad_packed, grad_pad, rtol=1e-4, atol=1e-6)  # fp32 sums in another order
 
 
 def test_model_token_logprobs_and_entropies_of_packed_batches_also_without_logits_to_keep(tiny_path, tok, sft_examples):

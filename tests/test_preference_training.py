@@ -10,9 +10,11 @@ steps), trains 100 steps of batch 16 in fp32, then checks that held-out pairwise
 accuracy (chosen summed log-prob > rejected) and the mean log-prob margin rise, and that greedy
 exact match on ``eval_rows(100)`` stays >= 0.5 x the start.
 
-Measured (2 cores, fp32; start: preference 0.805, exact match 0.51, mean margin 1.66 nats):
-dpo 0.827 / 0.46, kto 0.823 / 0.48, simpo 0.829 / 0.47 (β=0.1 for DPO/KTO, lr 3e-5), i.e.
-+17 to +24 of 953 pairs; each run ~20 s of training.
+Measured on the embedded default with 3 heads of 32 (tiny-v2; 2 cores, fp32; start: preference 0.780,
+exact match 0.45, mean margin 1.80 nats): dpo 0.804 / 0.37, simpo 0.808 / 0.37 (lr 3e-5), kto 0.788 /
+0.38 (lr 1e-4), orpo 0.924 / 0.62 (lr 3e-4), i.e. +8 (kto) to +137 (orpo) of 953 pairs; each run ~5 s of
+training. KTO at lr 3e-5 (its tiny-v1 setting) raised the margin but not the accuracy (0.773), at 6e-5
++1 pair: of these four it moves this policy's preferences least.
 
 Why the prompt split: trained on pairs of the SFT policy's own training problems, DPO, KTO and
 SimPO raised the margin but not the accuracy on problems outside both sets (0.796 -> 0.791-0.797
@@ -41,7 +43,7 @@ STEPS, BATCH = 100, 16
 OFFSETS = (1, 2)
 RUNS = {
     "dpo": (DPOTrainer, dict(loss_type="sigmoid", beta=0.1, learning_rate=3e-5)),
-    "kto": (KTOTrainer, dict(beta=0.1, learning_rate=3e-5)),
+    "kto": (KTOTrainer, dict(beta=0.1, learning_rate=1e-4)),
     "simpo": (DPOTrainer, dict(loss_type="simpo", beta=2.0, simpo_gamma=0.5, learning_rate=3e-5)),
     "orpo": (DPOTrainer, dict(loss_type="orpo", orpo_lambda=0.1, learning_rate=3e-4)),
 }
@@ -96,6 +98,6 @@ def test_preference_training_raises_held_out_preference_accuracy_without_collaps
         f"mean margin {start[2]:.3f} -> {margin:.3f}, train {seconds:.0f}s"
     )
     print(report)
-    assert margin > start[2], report  # measured +0.17 (kto) .. +0.23 (simpo) nats
-    assert pref > start[0], report  # measured +17 (kto) .. +24 (simpo) of 953 pairs
+    assert margin > start[2], report  # measured +0.26 (simpo) .. +0.59 (orpo) nats
+    assert pref > start[0], report  # measured +8 (kto) .. +137 (orpo) of 953 pairs
     assert exact >= 0.5 * start[1], report

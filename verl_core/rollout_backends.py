@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from pydantic import Field
 
-from verl_core.config import StrictConfig
+from verl_core.config import ConfigError, StrictConfig
 from verl_core.rollout import HFRolloutBackend, RolloutBackend
 
 log = logging.getLogger("verl_core")
@@ -93,9 +93,16 @@ def build_rollout_backend(
     tokenizer,
     autocast_dtype: torch.dtype | None = None,
     model_path: str | os.PathLike | None = None,
+    processes: int = 1,
 ) -> RolloutBackend:
-    """The backend ``config.backend`` names, sampling from ``model`` (its current weights)."""
+    """The backend ``config.backend`` names, sampling from ``model`` (its current weights) for one of
+    ``processes`` training processes."""
     config = config or RolloutConfig()
+    if config.backend != "hf" and processes > 1:
+        raise ConfigError(
+            f"rollout.backend {config.backend!r} runs one engine colocated with one training process; this run has "
+            f"{processes} (use rollout.backend: hf with a launcher)"
+        )
     return ROLLOUT_BACKENDS[config.backend](config, model, tokenizer, autocast_dtype, model_path)
 
 

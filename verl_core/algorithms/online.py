@@ -45,6 +45,7 @@ from typing import Any, ClassVar
 import torch
 
 from verl_core import arithmetic
+from verl_core.algorithms import online_batch
 from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
 from verl_core.algorithms.online_batch import gather_experience, gather_rows, mean_over_ranks, minibatch_share, prompt_seeds
 from verl_core.algorithms.online_config import KLKind, OnlineConfig  # noqa: F401  (KLKind: part of this module's API)
@@ -53,11 +54,12 @@ from verl_core.algorithms.speed import describe, resolve_speed
 from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.data import tokenize_prompts
-from verl_core.engine import Engine, LossOutput, TrainingError, TrainResult
+from verl_core.engine import Engine, LossOutput, TrainResult
 from verl_core.forward import response_logprobs
+from verl_core.losses.advantages import outcome_token_rewards
 from verl_core.losses.correction import correct_rollout_mismatch
 from verl_core.losses.masked import masked_mean
-from verl_core.losses.policy import POLICY_LOSSES, AdaptiveKLController, FixedKLController, aggregate, kl_penalty
+from verl_core.losses.policy import POLICY_LOSSES, AdaptiveKLController, FixedKLController, aggregate, kl_penalty, kl_summary
 from verl_core.models import save_pretrained_atomic
 from verl_core.policies import LLMPolicy
 from verl_core.precision import AUTOCAST_DTYPES, allow_precision_change
@@ -161,14 +163,8 @@ class OnlineTrainer:
     # -- helpers for algorithms --------------------------------------------------------------
     def token_rewards(self, exp: dict[str, torch.Tensor], scores: torch.Tensor) -> torch.Tensor:
         """``r_t = -beta * kl_t`` (when ``kl_in="reward"``) plus the score on the last valid token."""
-        mask = exp["response_mask"]
-        rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        if "kl" in exp and self.config.kl_in == "reward":
-            rewards = rewards - self.kl_ctl.value * exp["kl"]
-        last = (mask.sum(-1) - 1).clamp(min=0)
-        rows = torch.arange(mask.shape[0], device=mask.device)
-        rewards[rows, last] += scores.to(rewards.device) * (mask.sum(-1) > 0)
-        return torch.where(mask.bool(), rewards, 0.0)
+        dense = -self.kl_ctl.value * exp["kl"] if "kl" in exp and self.config.kl_in == "reward" else None
+        return outcome_token_rewards(scores.to(exp["response_mask"].device), exp["response_mask"], dense)
 
     # -- the run -----------------------------------------------------------------------------
     @property
@@ -188,30 +184,19 @@ class OnlineTrainer:
             self.module, c, self.callbacks, total_steps=c.max_steps, updates_per_step=self.updates_per_step
         )
         acc = engine.accelerator
-        if (c.batch_size // c.num_generations) % acc.num_processes or self.mini_batch_size % (
-            acc.num_processes * c.gradient_accumulation_steps
-        ):
-            raise TrainingError(
-                f"prompts per step ({c.batch_size // c.num_generations}) must split over {acc.num_processes} processes and "
-                f"mini_batch_size ({self.mini_batch_size}) over processes × gradient_accumulation_steps"
-            )
+        online_batch.check_split(c, self.mini_batch_size, acc.num_processes)
         engine.register_state("kl_controller", self.kl_ctl)
         if self.reference is not None:
             self.reference.to(acc.device)
         if self.rewards.reward_model is not None:
             self.rewards.reward_model.to(acc.device).autocast_dtype = AUTOCAST_DTYPES.get(c.mixed_precision)
         lm = self.policy_lm(engine.unwrapped)
+        owned = None  # an engine this run starts is closed when it ends
         if self.backend is None:
-            if c.rollout.backend != "hf" and acc.num_processes > 1:
-                raise ConfigError(
-                    f"rollout.backend {c.rollout.backend!r} runs one engine colocated with one training process; "
-                    f"this run has {acc.num_processes} (use rollout.backend: hf with a launcher)"
-                )
             autocast = AUTOCAST_DTYPES.get(c.mixed_precision)
-            self.backend = build_rollout_backend(c.rollout, lm, self.policy.tokenizer, autocast, self.policy.source)
-            owned = self.backend
-        else:
-            owned = None
+            self.backend = owned = build_rollout_backend(
+                c.rollout, lm, self.policy.tokenizer, autocast, self.policy.source, acc.num_processes
+            )
         if engine.is_main:
             log.info("%s: %s", type(self).__name__, describe(self.speed_features))
         speed = {f"speed/{k}": v for k, v in self.speed_features.items() if k != "fallbacks"}
@@ -224,7 +209,7 @@ class OnlineTrainer:
                 progress_key="reward/mean",
             )
         finally:
-            if owned is not None:  # an engine this run started: its memory goes back now
+            if owned is not None:
                 close_backend(owned)
                 self.backend = None
         result.output_dir = None
@@ -252,7 +237,7 @@ class OnlineTrainer:
             metrics = mean_over_ranks(metrics, acc)
             metrics["reward/std"] = scores.std(unbiased=False).item()
         metrics.update(correct_rollout_mismatch(exp, self.config.rollout_correction, self.config.tis_cap))
-        metrics.update(self.kl_metrics(exp))
+        metrics.update(kl_summary(exp["kl"], exp["response_mask"]) if "kl" in exp else {})
         metrics.update(self.compute_advantages(exp, scores))
         exp.pop("kl", None)
         t1 = time.perf_counter()
@@ -360,12 +345,6 @@ class OnlineTrainer:
         """Whether old log-probs are recomputed to compare with the sampler's: a sampler other than the
         training model itself (vLLM), or a correction asked for."""
         return not isinstance(self.backend, HFRolloutBackend) or self.config.rollout_correction != "none"
-
-    def kl_metrics(self, exp: dict[str, torch.Tensor]) -> dict[str, float]:
-        if "kl" not in exp:
-            return {}
-        mask = exp["response_mask"]
-        return {"kl": exp["kl"].sum(-1).mean().item(), "kl/token_mean": masked_mean(exp["kl"], mask).item()}
 
     def update(self, exp: dict[str, torch.Tensor], step: int) -> list[dict[str, float]]:
         """``ppo_epochs`` seeded passes over shuffled mini-batches of the global batch ``exp`` (this

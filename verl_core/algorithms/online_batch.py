@@ -18,6 +18,18 @@ import torch
 _FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")
 
 
+def check_split(config, mini_batch_size: int, processes: int) -> None:
+    """Whole groups per process: the step's prompts and each mini-batch must divide over the processes."""
+    from verl_core.engine import TrainingError
+
+    prompts = config.batch_size // config.num_generations
+    if prompts % processes or mini_batch_size % (processes * config.gradient_accumulation_steps):
+        raise TrainingError(
+            f"prompts per step ({prompts}) must split over {processes} processes and "
+            f"mini_batch_size ({mini_batch_size}) over processes × gradient_accumulation_steps"
+        )
+
+
 def prompt_seeds(seed: int, step: int, first: int, count: int) -> list[int]:
     """Seeds of the prompts at places ``first .. first+count-1`` of step ``step``'s global batch."""
     return [(seed * 1_000_003 + step) * 100_003 + first + i for i in range(count)]

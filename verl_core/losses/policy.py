@@ -319,6 +319,12 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
     raise ValueError(f"unknown kl penalty kind {kind!r}; expected one of {list(KL_KINDS)}")
 
 
+def kl_summary(kl: Tensor, response_mask: Tensor) -> dict[str, float]:
+    """``kl``: the per-sequence sum of the token KL estimates, averaged over sequences;
+    ``kl/token_mean``: their mean over valid tokens."""
+    return {"kl": kl.sum(-1).mean().item(), "kl/token_mean": masked_mean(kl, response_mask).item()}
+
+
 class _Checkpointable:
     """The coefficient as a checkpointable state (``Engine.register_state``: saved as JSON with each checkpoint)."""
 

@@ -136,7 +136,7 @@ class VLLMRolloutBackend:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
         self._model: torch.nn.Module | None = None
-        self._asleep = False
+        self._sleeping: set[str] = set()  # what the engine has released ("weights", "kv_cache")
         if sleep_between_rollouts:
             self._sleep()
 
@@ -144,8 +144,7 @@ class VLLMRolloutBackend:
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Push ``model``'s current weights into the engine in place (adapters merged)."""
         self._model = model
-        if self._asleep:
-            self.llm.wake_up(tags=["weights"])
+        self._wake({"weights"})
         with hf_checkpoint_weights(model) as weights:
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights))
         self.llm.reset_prefix_cache()
@@ -183,9 +182,7 @@ class VLLMRolloutBackend:
             )
             for s in seeds
         ]
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+        self._wake({"weights", "kv_cache"})
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         if self.sleep_between_rollouts:
             self._sleep()
@@ -243,7 +240,13 @@ class VLLMRolloutBackend:
     def _sleep(self) -> None:
         self.llm.reset_prefix_cache()
         self.llm.sleep(level=1)
-        self._asleep = True
+        self._sleeping = {"weights", "kv_cache"}
+
+    def _wake(self, tags: set[str]) -> None:
+        """Take back what ``tags`` name of what the engine released (the weights before a sync, all before sampling)."""
+        if self._sleeping & tags:
+            self.llm.wake_up(tags=sorted(self._sleeping & tags))
+            self._sleeping -= tags
 
     def close(self) -> None:
         """Shut the engine down and free its memory (the backend cannot sample afterwards)."""

@@ -234,13 +234,7 @@ def test_packed_response_logprobs_share_each_prompt_and_equal_the_padded_ones(ti
         prompts, SamplingParams(max_new_tokens=10, n=3), seed=0
     )
     seen = _mlp_rows(model)
-    batch = {
-        "input_ids": rollout.input_ids,
-        "attention_mask": rollout.attention_mask,
-        "position_ids": rollout.position_ids,
-        "response_ids": rollout.response_ids,
-        "response_mask": rollout.response_mask,
-    }
+    batch = rollout.training_inputs()
     batch = {k: v[torch.randperm(12, generator=torch.Generator().manual_seed(0))] for k, v in batch.items()}  # groups split up
     batch["response_mask"][0, 3:] = 0  # an early stop
     mask = batch["response_mask"].bool()

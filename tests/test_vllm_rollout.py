@@ -77,14 +77,7 @@ def prompts(policy):
 
 
 def _hf_logprobs(model, batch, temperature):
-    inputs = {
-        "input_ids": batch.input_ids,
-        "attention_mask": batch.attention_mask,
-        "position_ids": batch.position_ids,
-        "response_ids": batch.response_ids,
-        "response_mask": batch.response_mask,
-    }
-    return response_logprobs(model, inputs, 1.0 / temperature)[0]
+    return response_logprobs(model, batch.training_inputs(), 1.0 / temperature)[0]
 
 
 @needs_vllm

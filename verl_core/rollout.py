@@ -76,6 +76,16 @@ class RolloutBatch:
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(-1)
 
+    def training_inputs(self) -> dict[str, torch.Tensor]:
+        """The batch as a training forward pass takes it (:func:`verl_core.forward.response_logprobs`)."""
+        return {
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "position_ids": self.position_ids,
+            "response_ids": self.response_ids,
+            "response_mask": self.response_mask,
+        }
+
     def response_lists(self) -> list[list[int]]:
         """Each response's token ids without padding (EOS kept when generated)."""
         return [r[m.bool()].tolist() for r, m in zip(self.response_ids, self.response_mask)]

@@ -224,14 +224,8 @@ class VLLMRolloutBackend:
         was_training = model.training
         model.eval()
         try:
-            inputs = {
-                "input_ids": batch.input_ids,
-                "attention_mask": batch.attention_mask,
-                "position_ids": batch.position_ids,
-                "response_ids": batch.response_ids,
-                "response_mask": batch.response_mask,
-            }
-            logp, _ = response_logprobs(model, {k: t.to(device) for k, t in inputs.items()}, 1.0 / temperature)
+            inputs = {k: t.to(device) for k, t in batch.training_inputs().items()}
+            logp, _ = response_logprobs(model, inputs, 1.0 / temperature)
         finally:
             model.train(was_training)
         return logp.float().cpu()

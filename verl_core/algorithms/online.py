@@ -303,14 +303,7 @@ class OnlineTrainer:
     def make_experience(self, rollout: RolloutBatch) -> dict[str, torch.Tensor]:
         """Training tensors of one rollout: layout, old/reference log-probs, values, per-token KL."""
         c, acc = self.config, self.engine.accelerator
-        exp = {
-            "input_ids": rollout.input_ids,
-            "attention_mask": rollout.attention_mask,
-            "position_ids": rollout.position_ids,
-            "response_ids": rollout.response_ids,
-            "response_mask": rollout.response_mask,
-        }
-        exp = {k: v.to(acc.device) for k, v in exp.items()}
+        exp = {k: v.to(acc.device) for k, v in rollout.training_inputs().items()}
         off_policy = self.updates_per_step > 1
         need_old = off_policy or self.needs_values or (self.reference is not None and c.kl_in == "reward")
         need_old = need_old or self.measures_mismatch

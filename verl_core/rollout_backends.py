@@ -76,7 +76,7 @@ class RolloutConfig(StrictConfig):
         "auto", description="vllm: the engine's weights; auto = the policy's dtype"
     )
     max_model_len: int | None = Field(None, ge=1, description="vllm: longest prompt + response; null = the model's")
-    kv_cache_space_gib: float = Field(1.0, gt=0, description="vllm on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_space_gib: int = Field(1, ge=1, description="vllm on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vllm on GPU: the engine's share of GPU memory")
     sleep_between_rollouts: bool = Field(
         False, description="vllm on GPU: free the engine's memory during the update (sleep level 1, woken for sampling)"

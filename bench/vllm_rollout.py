@@ -92,7 +92,7 @@ def sample_both(kind: str, path: Path, args) -> dict:
     seconds, tokens = timed(HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id))
     out["hf"] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
     t = time.perf_counter()
-    engine = build_rollout_backend(RolloutConfig(backend="vllm"), model, tok, model_path=path)
+    engine = build_rollout_backend(RolloutConfig(backend="vllm"), model, tok)
     start = time.perf_counter() - t
     seconds, tokens = timed(engine)
     out["vllm"] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "engine_start_s": start}

@@ -59,9 +59,9 @@ def test_gpu_only_engine_options_are_refused_on_a_cpu_machine_before_an_engine_s
         pytest.skip("a GPU machine takes these options")
     model = load_causal_lm(tiny_path, trainable=False)
     with pytest.raises(ConfigError, match="no GPU"):
-        build_rollout_backend(RolloutConfig(backend="vllm", sleep_between_rollouts=True), model, tok, model_path=tiny_path)
+        build_rollout_backend(RolloutConfig(backend="vllm", sleep_between_rollouts=True), model, tok)
     with pytest.raises(ConfigError, match="one training process; this run has 2"):
-        build_rollout_backend(RolloutConfig(backend="vllm"), model, tok, model_path=tiny_path, processes=2)
+        build_rollout_backend(RolloutConfig(backend="vllm"), model, tok, processes=2)
 
 
 def test_the_embedded_default_has_a_head_size_vllm_runs_on_cpu(tiny_path):
@@ -76,9 +76,9 @@ def policy(sft_path):
 
 
 @pytest.fixture(scope="module")
-def engine(policy, sft_path):
+def engine(policy):
     model, tok = policy
-    backend = build_rollout_backend(RolloutConfig(backend="vllm"), model, tok, model_path=sft_path)
+    backend = build_rollout_backend(RolloutConfig(backend="vllm"), model, tok)
     yield backend
     backend.close()
 

@@ -123,14 +123,14 @@ def _logprobs_at(
     plain_head = fused_head_skip_reason(model) is None
     fused = fused and not entropy_grad and plain_head
     with last_layer_only_at(model, keep if prune else None):
-        if fused or plain_head:
+        if plain_head:  # the head applied here, to the kept rows only (transformers < 5.20 takes no boolean logits_to_keep)
             hidden = packed_forward(model, batch, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]
             picked_hidden = hidden.reshape(-1, hidden.shape[-1])[flat]
-            if not fused:  # the head on the kept rows only (transformers < 5.20 takes no boolean logits_to_keep)
-                logits = base_module(model).get_output_embeddings()(picked_hidden)
-                return scaled_logprobs(logits, targets, scale, with_entropy, entropy_grad)
-            out = linear_logprobs(picked_hidden, output_head_weight(model), targets, scale, with_entropy)
-            return out if with_entropy else (out, None)
+            if fused:
+                out = linear_logprobs(picked_hidden, output_head_weight(model), targets, scale, with_entropy)
+                return out if with_entropy else (out, None)
+            logits = base_module(model).get_output_embeddings()(picked_hidden)
+            return scaled_logprobs(logits, targets, scale, with_entropy, entropy_grad)
         try:
             logits = packed_forward(model, batch, logits_to_keep=keep).logits
         except (TypeError, IndexError):  # a forward without logits_to_keep, or one that takes no boolean mask for it

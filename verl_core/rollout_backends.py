@@ -14,11 +14,11 @@ must have a head size its CPU attention supports (32, 64, 80, 96, 112, 128 or 25
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,11 +31,13 @@ from verl_core.rollout import HFRolloutBackend, RolloutBackend
 log = logging.getLogger("verl_core")
 
 
-def _hf_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, autocast_dtype, model_path) -> RolloutBackend:
+def _hf_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, autocast_dtype) -> RolloutBackend:
     return HFRolloutBackend(model, tokenizer.eos_token_id, tokenizer.pad_token_id, autocast_dtype)
 
 
-def _vllm_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, autocast_dtype, model_path) -> RolloutBackend:
+def _vllm_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, autocast_dtype) -> RolloutBackend:
+    """An engine built from the live model's config with placeholder weights (``load_format="dummy"``:
+    nothing is read from disk), then given the live weights by one :meth:`sync_weights`."""
     from verl_core.rollout_vllm import VLLMRolloutBackend, VLLMUnavailableError, import_vllm, vllm_skip_reason
 
     import_vllm()  # the missing-extra error before anything is written
@@ -44,7 +46,7 @@ def _vllm_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, auto
     if reason is not None:
         raise VLLMUnavailableError(f"rollout.backend 'vllm' cannot run this policy: {reason}; use rollout.backend: hf")
     dtype = config.dtype if config.dtype != "auto" else str(next(model.parameters()).dtype).removeprefix("torch.")
-    with _model_folder(model, tokenizer, model_path) as folder:
+    with _architecture_folder(model, tokenizer) as folder:
         backend = VLLMRolloutBackend(
             folder,
             tokenizer.eos_token_id,
@@ -55,14 +57,14 @@ def _vllm_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, auto
             kv_cache_space_gib=config.kv_cache_space_gib,
             gpu_memory_utilization=config.gpu_memory_utilization,
             sleep_between_rollouts=config.sleep_between_rollouts,
-            **config.engine_options,
+            **{"load_format": "dummy", **config.engine_options},
         )
-    backend.sync_weights(model)  # the live weights (an in-memory or LoRA policy differs from its folder)
-    log.info("rollout: vLLM engine (%s) for %s", dtype, model_path or "the live policy")
+    backend.sync_weights(model)
+    log.info("rollout: vLLM engine (%s)", dtype)
     return backend
 
 
-# name -> builder(config, live model, tokenizer, autocast dtype, model folder or None)
+# name -> builder(config, live model, tokenizer, autocast dtype)
 ROLLOUT_BACKENDS: dict[str, Callable[..., RolloutBackend]] = {"hf": _hf_backend, "vllm": _vllm_backend}
 
 
@@ -94,7 +96,6 @@ def build_rollout_backend(
     model: torch.nn.Module,
     tokenizer,
     autocast_dtype: torch.dtype | None = None,
-    model_path: str | os.PathLike | None = None,
     processes: int = 1,
 ) -> RolloutBackend:
     """The backend ``config.backend`` names, sampling from ``model`` (its current weights) for one of
@@ -105,7 +106,7 @@ def build_rollout_backend(
             f"rollout.backend {config.backend!r} runs one engine colocated with one training process; this run has "
             f"{processes} (use rollout.backend: hf with a launcher)"
         )
-    return ROLLOUT_BACKENDS[config.backend](config, model, tokenizer, autocast_dtype, model_path)
+    return ROLLOUT_BACKENDS[config.backend](config, model, tokenizer, autocast_dtype)
 
 
 def close_backend(backend: RolloutBackend | None) -> None:
@@ -115,27 +116,15 @@ def close_backend(backend: RolloutBackend | None) -> None:
         close()
 
 
-class _model_folder:
-    """The policy's own folder when it has one, else a temporary ``save_pretrained`` of the live model
-    (the engine reads the architecture from it; the weights are pushed afterwards)."""
-
-    def __init__(self, model: torch.nn.Module, tokenizer, model_path):
-        self.model, self.tokenizer = model, tokenizer
-        self.path = Path(model_path) if model_path and (Path(model_path) / "config.json").is_file() else None
-        self.tmp: str | None = None
-
-    def __enter__(self) -> Path:
-        if self.path is not None:
-            return self.path
-        from verl_core.rollout_vllm import hf_checkpoint_weights
-
-        self.tmp = tempfile.mkdtemp(prefix="verl-core-vllm-")
-        lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        with hf_checkpoint_weights(self.model) as weights:
-            lm.save_pretrained(self.tmp, state_dict=dict(weights))
-        self.tokenizer.save_pretrained(self.tmp)
-        return Path(self.tmp)
-
-    def __exit__(self, *exc) -> None:
-        if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+@contextlib.contextmanager
+def _architecture_folder(model: torch.nn.Module, tokenizer) -> Iterator[Path]:
+    """A temporary folder with the live model's config and its tokenizer, all an engine reads to build the
+    architecture (a peft model's base config: the engine runs the merged weights)."""
+    tmp = Path(tempfile.mkdtemp(prefix="verl-core-vllm-"))
+    try:
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        lm.config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

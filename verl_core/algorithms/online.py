@@ -194,9 +194,7 @@ class OnlineTrainer:
         owned = None  # an engine this run starts is closed when it ends
         if self.backend is None:
             autocast = AUTOCAST_DTYPES.get(c.mixed_precision)
-            self.backend = owned = build_rollout_backend(
-                c.rollout, lm, self.policy.tokenizer, autocast, self.policy.source, acc.num_processes
-            )
+            self.backend = owned = build_rollout_backend(c.rollout, lm, self.policy.tokenizer, autocast, acc.num_processes)
         if engine.is_main:
             log.info("%s: %s", type(self).__name__, describe(self.speed_features))
         speed = {f"speed/{k}": v for k, v in self.speed_features.items() if k != "fallbacks"}

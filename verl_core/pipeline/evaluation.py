@@ -37,7 +37,7 @@ def score_policy(
     model, tok = load_causal_lm(path, trainable=False), load_tokenizer(path)
     backend = None
     if rollout is not None and rollout.backend != "hf":
-        backend = build_rollout_backend(rollout, model, tok, model_path=path)
+        backend = build_rollout_backend(rollout, model, tok)
     out: dict[str, float] = {}
     try:
         if reward is not None:

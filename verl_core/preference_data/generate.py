@@ -146,7 +146,7 @@ def generate_preference_data(
     n_shards = math.ceil(len(examples) / config.shard_size)
     todo = [i for i in range(n_shards) if _read_shard(shard_dir, i, _shard_range(i, config, len(examples)), params.n) is None]
     done_prompts = len(examples) - sum(len(range(*_shard_range(i, config, len(examples)))) for i in todo)
-    backend = build_rollout_backend(config.rollout, policy.model, policy.tokenizer, model_path=policy.source) if todo else None
+    backend = build_rollout_backend(config.rollout, policy.model, policy.tokenizer) if todo else None
     try:
         with progress_bar(len(examples), done_prompts, "preference data", "prompt", disable=not config.progress) as bar:
             for shard in todo:

@@ -146,11 +146,13 @@ def launch(cmd: Sequence[str], env: dict[str, str] | None = None, log: Path | No
     )
 
 
-def wait_http(url: str, timeout: float = 120, proc: subprocess.Popen | None = None) -> None:
+def wait_http(url: str, timeout: float = 120, proc: subprocess.Popen | None = None, logs: Sequence[Path] = ()) -> None:
+    """Wait until ``url`` answers (any status below 500). If ``proc`` exits first, or the deadline passes,
+    the error quotes the last lines of ``logs`` (what the server printed), so a failed start says why."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with code {proc.returncode}")
+            raise RuntimeError(f"process for {url} exited with code {proc.returncode}{log_tails(logs)}")
         try:
             with urllib.request.urlopen(url, timeout=5) as resp:
                 if resp.status < 500:
@@ -158,7 +160,17 @@ def wait_http(url: str, timeout: float = 120, proc: subprocess.Popen | None = No
         except OSError:
             pass
         time.sleep(1)
-    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s")
+    raise TimeoutError(f"{url} did not answer within {timeout:.0f}s{log_tails(logs)}")
+
+
+def log_tails(logs: Sequence[Path], lines: int = 30) -> str:
+    """The last ``lines`` lines of each existing log, as a block to append to an error message."""
+    out = []
+    for log in logs:
+        if Path(log).is_file():
+            tail = Path(log).read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"\n--- last {len(tail)} lines of {log} ---\n" + "\n".join(tail))
+    return "".join(out)
 
 
 def stop(proc: subprocess.Popen, grace: float = 10) -> None:
@@ -226,7 +238,7 @@ def cmd_servers(args) -> int:
             (workdir / "servers").mkdir(exist_ok=True)
             procs[name] = launch(cmd, env, workdir / "servers" / f"{name}-server.log")
         for name, (_, _, health) in server_commands(workdir, args.prefect_port, args.mlflow_port).items():
-            wait_http(health, timeout=180, proc=procs[name])
+            wait_http(health, timeout=600, proc=procs[name], logs=[workdir / "servers" / f"{name}-server.log"])
         print(f"Prefect UI:  http://127.0.0.1:{args.prefect_port}")
         print(f"MLflow UI:   http://127.0.0.1:{args.mlflow_port}")
         print("In another shell:")

@@ -103,8 +103,8 @@ def prefect_harness():
     """One temporary Prefect API for the session (shared by every module that runs flows)."""
     from prefect.testing.utilities import prefect_test_harness
 
-    # 60 s timed out while other jobs kept the 2 cores busy
-    with prefect_test_harness(server_startup_timeout=180):
+    # a readiness deadline, not a speed claim: 60 s timed out while other jobs kept the 2 cores busy
+    with prefect_test_harness(server_startup_timeout=600):
         yield
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shlex
 import socket
@@ -41,10 +42,43 @@ STAGES = ["evaluation", "policy_optimisation", "preference_data", "reward_model"
 TRAINING = ("sft", "reward_model", "policy_optimisation")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1 now, below the kernel's ephemeral range: the servers bind them
+    minutes later (after run 1, whose links already name them), and a port from the ephemeral range may meanwhile
+    become the local end of some outgoing connection."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]) if Path("/proc/sys").is_dir() else 32768
+    rng, ports = random.Random(), []
+    while len(ports) < n:
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def start_servers(workdir: Path, env: dict, log: Path, ports: tuple[int, int], tries: int = 5) -> subprocess.Popen:
+    """``verl-core servers`` on ``ports``; a start that failed because a port was taken (by another process on
+    the machine) is tried again after a pause. Readiness waits up to 10 min (a loaded machine starts the servers
+    slowly); a failure quotes what the servers printed."""
+    prefect_port, mlflow_port = ports
+    cmd = [str(BIN / "verl-core"), "servers", "--workdir", str(workdir)]
+    for attempt in range(tries):
+        proc = launch([*cmd, "--prefect-port", str(prefect_port), "--mlflow-port", str(mlflow_port)], env, log)
+        logs = [log, workdir / "servers" / "prefect-server.log", workdir / "servers" / "mlflow-server.log"]
+        try:
+            wait_http(f"http://127.0.0.1:{prefect_port}/api/health", timeout=600, proc=proc, logs=logs)
+            wait_http(f"http://127.0.0.1:{mlflow_port}/health", timeout=600, proc=proc, logs=logs)
+            return proc
+        except RuntimeError as err:  # the servers' process exited during its start
+            stop(proc, grace=10)
+            if attempt == tries - 1 or "address already in use" not in str(err).lower():
+                raise
+            time.sleep(10)
+    raise AssertionError("unreachable")
 
 
 def http_json(url: str, body: dict | None = None, method: str = "GET") -> dict | list:
@@ -99,7 +133,7 @@ def servers(tmp_path_factory):
     """Run 1 without servers, then ``verl-core servers`` on the same workdir, then run 2 through them."""
     tmp = tmp_path_factory.mktemp("e2e")
     workdir = tmp / "runs"
-    prefect_port, mlflow_port = free_port(), free_port()
+    prefect_port, mlflow_port = free_ports(2)
     api, mlflow_url = f"http://127.0.0.1:{prefect_port}/api", f"http://127.0.0.1:{mlflow_port}"
     base_env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL")}
     base_env.update(
@@ -111,7 +145,6 @@ def servers(tmp_path_factory):
             "PWD": str(ROOT),
         }
     )
-    server_env = {**base_env, "PREFECT_API_URL": api, "PREFECT_UI_API_URL": api, "MLFLOW_TRACKING_URI": mlflow_url}
 
     def run(env: dict, algorithm: str, log: str) -> str:
         cmd = [str(BIN / "verl-core"), "run"]
@@ -123,24 +156,10 @@ def servers(tmp_path_factory):
         return done.stdout
 
     first = run(base_env, "dpo", "run1.log")  # `make run`: no server anywhere
-    proc = launch(
-        [
-            str(BIN / "verl-core"),
-            "servers",
-            "--workdir",
-            str(workdir),
-            "--prefect-port",
-            str(prefect_port),
-            "--mlflow-port",
-            str(mlflow_port),
-        ],
-        base_env,
-        tmp / "servers.log",
-    )
+    proc = start_servers(workdir, base_env, tmp / "servers.log", (prefect_port, mlflow_port))
+    server_env = {**base_env, "PREFECT_API_URL": api, "PREFECT_UI_API_URL": api, "MLFLOW_TRACKING_URI": mlflow_url}
     procs = [proc]
     try:
-        wait_http(f"{api}/health", timeout=180, proc=proc)
-        wait_http(f"{mlflow_url}/health", timeout=180, proc=proc)
         second = run(server_env, "orpo", "run2.log")
         yield {
             "tmp": tmp,

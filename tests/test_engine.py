@@ -107,8 +107,7 @@ def test_two_processes_equal_one_process(tiny_path, tmp_path):
             "torch.distributed.run",
             "--nproc_per_node",
             "2",
-            "--master_port",
-            "29531",
+            "--standalone",  # a free port of torchrun's choosing, not a fixed one another job may hold
             str(script),
             str(tiny_path),
             str(multi),

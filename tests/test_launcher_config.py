@@ -164,7 +164,8 @@ def test_a_job_is_streamed_line_by_line_and_killed_at_its_timeout():
     from verl_core.pipeline.launch import stream
 
     lines: list[str] = []
-    script = "import time\nprint('first', flush=True)\ntime.sleep(30)\nprint('never')"
-    code, tail = stream([sys.executable, "-c", script], dict(os.environ), lines.append, timeout=3)
+    # 10 s for a bare interpreter to print one line: generous on a loaded machine, short next to the 600 s sleep
+    script = "import time\nprint('first', flush=True)\ntime.sleep(600)\nprint('never')"
+    code, tail = stream([sys.executable, "-c", script], dict(os.environ), lines.append, timeout=10)
     assert lines == ["first"] and code != 0
-    assert tail[-1].startswith("the job was killed after its timeout of 3")
+    assert tail[-1].startswith("the job was killed after its timeout of 10")

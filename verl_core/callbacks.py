@@ -31,6 +31,10 @@ class Callback:
 
     def on_train_end(self, status: str, metrics: dict[str, float]) -> None: ...
 
+    def on_table(self, step: int, name: str, columns: dict[str, list]) -> None:
+        """A table of samples at loop step ``step`` (main process only), e.g. an evaluation's agent
+        trajectories: ``columns`` maps each column name to its values, one per row."""
+
 
 class ConsoleCallback(Callback):
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
@@ -68,6 +72,10 @@ class MLflowCallback(Callback):
         batch = [Metric(f"{self.prefix}{k}", float(v), now, step) for k, v in metrics.items() if math.isfinite(v)]
         if batch:
             self.client.log_batch(self.run_id, metrics=batch)
+
+    def on_table(self, step: int, name: str, columns: dict[str, list]) -> None:
+        """An MLflow table artifact ``<name>/step_<step>.json`` (the run's Artifacts and Evaluation views)."""
+        self.client.log_table(self.run_id, data=columns, artifact_file=f"{self.prefix}{name}/step_{step:06d}.json")
 
 
 class HistoryCallback(Callback):

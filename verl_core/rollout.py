@@ -8,6 +8,13 @@ forward pass can take them as they are::
     response_mask [N, R]  1 on every generated token up to and including EOS, 0 after
     logprobs      [N, R]  log-prob of each sampled token (0 where response_mask is 0)
     group_index   [N]     index of the prompt each sample answers (samples of one prompt are adjacent)
+    response_attention_mask [N, R] or None: 1 on every real response token (None: = response_mask)
+
+A multi-turn episode (:mod:`verl_core.agents`) puts its whole continuation after the prompt in
+``response_ids``: the policy's turns and the tool results between them. ``response_attention_mask``
+covers all of it (the context every token sees), ``response_mask`` only the tokens the policy
+sampled, the one mask that carries loss, log-probs, rewards and advantages. A single-turn batch
+leaves it None, so its layout is unchanged.
 
 ``torch.cat([prompt_ids, response_ids], 1)`` with ``position_ids = cumsum(mask) - 1`` is the
 exact sequence the sampler saw, so a fresh forward pass reproduces ``logprobs``.
@@ -56,6 +63,12 @@ class RolloutBatch:
     logprobs: torch.Tensor
     group_index: torch.Tensor
     finished: torch.Tensor  # [N] bool: the response ended with EOS (was not cut by max_new_tokens)
+    response_attention_mask: torch.Tensor | None = None  # [N, R]: real tokens (policy + tool); None = response_mask
+
+    @property
+    def context_mask(self) -> torch.Tensor:
+        """[N, R] 1 on every real response token: policy tokens and, in an episode, tool/environment tokens."""
+        return self.response_mask if self.response_attention_mask is None else self.response_attention_mask
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -66,7 +79,7 @@ class RolloutBatch:
 
     @property
     def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.response_mask], 1)
+        return torch.cat([self.prompt_mask, self.context_mask], 1)
 
     @property
     def position_ids(self) -> torch.Tensor:
@@ -90,11 +103,15 @@ class RolloutBatch:
         """Each response's token ids without padding (EOS kept when generated)."""
         return [r[m.bool()].tolist() for r, m in zip(self.response_ids, self.response_mask)]
 
+    def context_lists(self) -> list[list[int]]:
+        """Each whole continuation without padding: policy tokens and the tool results between them."""
+        return [r[m.bool()].tolist() for r, m in zip(self.response_ids, self.context_mask)]
+
     def prompt_lists(self) -> list[list[int]]:
         return [p[m.bool()].tolist() for p, m in zip(self.prompt_ids, self.prompt_mask)]
 
     def to(self, device) -> RolloutBatch:
-        return RolloutBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return RolloutBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
 
     def select_groups(self, groups: Sequence[int]) -> RolloutBatch:
         """The rows answering ``groups`` (prompt indices), in that order and renumbered ``0..len(groups)-1``,
@@ -108,8 +125,9 @@ class RolloutBatch:
         new_index = [k for k, g in enumerate(groups) for _ in members[g]]
         pick = torch.tensor(rows, dtype=torch.long, device=self.response_ids.device)
         p_len = int(self.prompt_mask[pick].sum(-1).max())
-        r_len = max(1, int(self.response_mask[pick].sum(-1).max()))
+        r_len = max(1, int(self.context_mask[pick].sum(-1).max()))
         p0 = self.prompt_ids.shape[1] - p_len
+        attention = self.response_attention_mask
         return RolloutBatch(
             prompt_ids=self.prompt_ids[pick, p0:],
             prompt_mask=self.prompt_mask[pick, p0:],
@@ -118,7 +136,12 @@ class RolloutBatch:
             logprobs=self.logprobs[pick, :r_len],
             group_index=torch.tensor(new_index, dtype=torch.long, device=self.group_index.device),
             finished=self.finished[pick],
+            response_attention_mask=None if attention is None else attention[pick, :r_len],
         )
+
+
+def _to(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -338,6 +361,7 @@ def _concat(chunks: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         extra = length - t.shape[1]
         return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
 
+    multi_turn = any(c.response_attention_mask is not None for c in chunks)
     out = RolloutBatch(
         prompt_ids=torch.cat([pad(c.prompt_ids, p_len, pad_id, True) for c in chunks]),
         prompt_mask=torch.cat([pad(c.prompt_mask, p_len, 0, True) for c in chunks]),
@@ -346,6 +370,7 @@ def _concat(chunks: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         logprobs=torch.cat([pad(c.logprobs, r_len, 0.0, False) for c in chunks]),
         group_index=torch.cat([c.group_index for c in chunks]),
         finished=torch.cat([c.finished for c in chunks]),
+        response_attention_mask=torch.cat([pad(c.context_mask, r_len, 0, False) for c in chunks]) if multi_turn else None,
     )
     return out
 

@@ -107,7 +107,7 @@ class GRPOTrainer(OnlineTrainer):
 
     def response_logprobs(self, model, batch, with_entropy=False):
         c = self.config
-        if not c.packing:
+        if not c.packing or c.environment is not None:  # episodes: tool tokens inside the response (padded path)
             return super().response_logprobs(model, batch, with_entropy)
         pad = self.policy.tokenizer.pad_token_id
         return packed_response_logprobs(

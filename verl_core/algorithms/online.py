@@ -44,8 +44,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from verl_core import arithmetic
+from verl_core.agents.environments import EpisodeSampler, build_agent_loop
 from verl_core.algorithms import online_batch
+from verl_core.algorithms.agentic import evaluate_agent, online_prompts
 from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
 from verl_core.algorithms.online_batch import gather_experience, gather_rows, mean_over_ranks, minibatch_share, prompt_seeds
 from verl_core.algorithms.online_config import KLKind, OnlineConfig  # noqa: F401  (KLKind: part of this module's API)
@@ -53,7 +54,6 @@ from verl_core.algorithms.sampling import step_prompt_indices
 from verl_core.algorithms.speed import describe, resolve_speed
 from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
-from verl_core.data import tokenize_prompts
 from verl_core.engine import Engine, LossOutput, TrainResult
 from verl_core.forward import response_logprobs
 from verl_core.losses.advantages import outcome_token_rewards
@@ -93,7 +93,8 @@ class OnlineTrainer:
         c = self.config = resolve_config(self.config_cls, config, overrides)
         self.policy = policy if isinstance(policy, LLMPolicy) else LLMPolicy.from_pretrained(policy)
         tok = self.policy.tokenizer
-        self.prompts = tokenize_prompts(arithmetic.prompt_rows() if prompts is None else prompts, tok, c.max_prompt_length)
+        self.agent = build_agent_loop(c, tok, c.max_new_tokens) if c.environment else None  # multi-turn episodes with tools
+        self.prompts = online_prompts(c, prompts, tok, self.agent)
         if len(self.prompts) < c.batch_size // c.num_generations:
             raise ConfigError(
                 f"{len(self.prompts)} prompts, fewer than the {c.batch_size // c.num_generations} one rollout step needs"
@@ -195,6 +196,8 @@ class OnlineTrainer:
         if self.backend is None:
             autocast = AUTOCAST_DTYPES.get(c.mixed_precision)
             self.backend = owned = build_rollout_backend(c.rollout, lm, self.policy.tokenizer, autocast, acc.num_processes)
+        if self.agent is not None and not isinstance(self.backend, EpisodeSampler):
+            self.backend = EpisodeSampler(self.backend, self.agent)  # the turn loop around any backend
         if engine.is_main:
             log.info("%s: %s", type(self).__name__, describe(self.speed_features))
         speed = {f"speed/{k}": v for k, v in self.speed_features.items() if k != "fallbacks"}
@@ -220,6 +223,8 @@ class OnlineTrainer:
         from verl_core.evaluation import answer_accuracy
 
         lm = self.policy_lm(self.engine.unwrapped if self.engine else self.module)
+        if self.agent is not None:
+            return evaluate_agent(self, lm)
         acc = answer_accuracy(lm, self.policy.tokenizer, self.eval_prompts, self.config.eval_reward, self.config.max_new_tokens)
         return {"eval/accuracy": acc}
 
@@ -295,6 +300,8 @@ class OnlineTrainer:
             scores = scores - self.config.missing_eos_penalty * (~rollout.finished.cpu()).float()
         metrics = {"reward/mean": scores.mean().item(), "reward/std": scores.std(unbiased=False).item()}
         metrics.update({f"reward/{k}": v.float().mean().item() for k, v in result.components.items()})
+        if isinstance(self.backend, EpisodeSampler):
+            metrics.update(self.backend.metrics())
         return scores, metrics
 
     @torch.no_grad()
@@ -335,7 +342,8 @@ class OnlineTrainer:
     def measures_mismatch(self) -> bool:
         """Whether old log-probs are recomputed to compare with the sampler's: a sampler other than the
         training model itself (vLLM), or a correction asked for."""
-        return not isinstance(self.backend, HFRolloutBackend) or self.config.rollout_correction != "none"
+        sampler = self.backend.inner if isinstance(self.backend, EpisodeSampler) else self.backend
+        return not isinstance(sampler, HFRolloutBackend) or self.config.rollout_correction != "none"
 
     def update(self, exp: dict[str, torch.Tensor], step: int) -> list[dict[str, float]]:
         """``ppo_epochs`` seeded passes over shuffled mini-batches of the global batch ``exp`` (this

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from verl_core.agents.environments import AgentSettings
 from verl_core.algorithms.base import LMHeadSettings
 from verl_core.engine import TrainConfig
 from verl_core.losses.correction import ROLLOUT_CORRECTIONS
@@ -21,8 +22,10 @@ LossAgg = Literal[AGG_MODES]  # type: ignore[valid-type]
 RolloutCorrection = Literal[tuple(ROLLOUT_CORRECTIONS)]  # type: ignore[valid-type]
 
 
-class OnlineConfig(TrainConfig, RewardSourceConfig, LMHeadSettings):
-    """Settings shared by PPO, GRPO, RLOO and REINFORCE++. ``max_steps`` counts rollout steps."""
+class OnlineConfig(TrainConfig, RewardSourceConfig, LMHeadSettings, AgentSettings):
+    """Settings shared by PPO, GRPO, RLOO and REINFORCE++. ``max_steps`` counts rollout steps; with an
+    ``environment`` (:mod:`verl_core.agents`) each sample is a multi-turn episode with tools and
+    ``max_new_tokens`` bounds each policy turn."""
 
     learning_rate: float = Field(1e-5, gt=0)
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"

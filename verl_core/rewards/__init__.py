@@ -4,6 +4,7 @@
 :class:`RewardError` naming the source and the sample.
 """
 
+from verl_core.rewards import code  # noqa: F401  (registers the code_output rule)
 from verl_core.rewards.gsm8k import ANSWER_EXTRACTORS, gsm8k_answer, gsm8k_ground_truth
 from verl_core.rewards.model import RewardModel, RewardScores, RewardSource, RewardSourceConfig
 from verl_core.rewards.rules import (

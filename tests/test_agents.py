@@ -306,3 +306,19 @@ def test_agent_prompts_carry_the_template_and_ground_truth(tok):
         plain[0]["prompt_ids"] == loop.chat.prompt_ids([{"role": "user", "content": "plain"}]) and plain[0]["ground_truth"] == "3"
     )
     assert {p.question for p in tasks.eval_problems()}.isdisjoint(p.question for p in tasks.train_problems(2000))
+
+
+def test_the_python_tool_runs_programs_in_the_sandbox_and_their_failures_are_tool_errors():
+    pytest.importorskip("verl_core.agents.sandbox")
+    python = {"python": TOOLS["python"]}
+    out = call_tools(
+        [
+            ToolCall("python", {"code": "print(48 / 2 + 48)"}),
+            ToolCall("python", {"code": "raise ValueError('boom')"}),
+            ToolCall("python", {"source": "print(1)"}),
+        ],
+        python,
+    )
+    assert out[0].ok and out[0].text == "72.0"
+    assert not out[1].ok and "boom" in out[1].text
+    assert not out[2].ok and "missing required argument 'code'" in out[2].text

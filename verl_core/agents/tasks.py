@@ -156,3 +156,8 @@ PYTHON_MATH = register_environment(
         summary="math word problems (GSM8K) with a sandboxed Python tool, Hermes tool calls",
     )
 )
+
+# The embedded default's recipe for calculator_arithmetic (bench/agent_rl.py and tests/test_agent_training.py
+# run it; configs/agent.yaml is the pipeline's): SFT on sft_rows(3000), then 15 rollout steps of 16 prompts x 4 episodes.
+SFT_RECIPE = dict(max_steps=900, learning_rate=2e-3, warmup_steps=20, batch_size=32)
+RL_RECIPE = dict(batch_size=64, num_generations=4, max_steps=15, learning_rate=1e-4, max_new_tokens=48)

@@ -26,8 +26,29 @@ def load_data(source: DataSource, bundled: Callable[[int | None], list[dict]] | 
     return map_columns(rows, source.columns, source.prompt_template, where=where)
 
 
-def data_label(source: DataSource, bundled: str) -> str:
-    return source.path or f"bundled:arithmetic/{bundled}"
+def data_label(source: DataSource, bundled: str, task: str = "arithmetic") -> str:
+    return source.path or f"bundled:{task}/{bundled}"
+
+
+def agent_environment(cfg):
+    """The agent task (:mod:`verl_core.agents`) of the chosen algorithm's ``environment``, or None. With one
+    set, the bundled data of every step is that task's: SFT rows showing the tool use, its prompts and
+    its held-out rows, and evaluation runs greedy episodes with its tools."""
+    section = getattr(cfg.policy_optimisation, cfg.policy_optimisation.algorithm, None)
+    name = getattr(section, "environment", None)
+    if name is None:
+        return None
+    from verl_core.agents import get_environment
+
+    return get_environment(name)
+
+
+def bundled_rows(cfg, split: str, limit: int, default: Callable[[int], list[dict]]) -> list[dict]:
+    """``limit`` bundled rows of ``split`` (``prompt_rows``, ``eval_rows``, ``sft_rows``): the agent task's
+    when it has them, else ``default``'s (the arithmetic task)."""
+    env = agent_environment(cfg)
+    rows = getattr(env, split, None) if env is not None else None
+    return (rows or default)(limit)
 
 
 def preference_rows_of(record: StageRecord, columns: dict[str, str] | None = None) -> list[dict]:

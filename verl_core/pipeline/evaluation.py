@@ -1,5 +1,9 @@
 """The evaluation stage: greedy held-out answers of the base, SFT and final policies, scored by a
-rule (and the reward model when the pipeline has one); a table, a CSV, a plot, the model to register."""
+rule (and the reward model when the pipeline has one); a table, a CSV, a plot, the model to register.
+
+With an agent environment (the chosen algorithm's ``environment``) the answers are greedy episodes
+with its tools, and each policy's first episodes go to MLflow as a table artifact
+(``agent_trajectories_<policy>.json``: turns, tool calls and results, errors, reward, transcript)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import json
 from pathlib import Path
 
 from verl_core import arithmetic
-from verl_core.pipeline.data import data_label, load_data, prompt_rows
+from verl_core.pipeline.data import agent_environment, bundled_rows, data_label, load_data, prompt_rows
 from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOutput, Step
 from verl_core.pipeline.report import plot_report, write_csv
 from verl_core.rollout_backends import RolloutConfig, build_rollout_backend, close_backend
@@ -15,7 +19,11 @@ from verl_core.rollout_backends import RolloutConfig, build_rollout_backend, clo
 
 def _bundled(cfg) -> list[dict] | None:
     c = cfg.evaluation
-    return arithmetic.eval_rows(c.data.limit or c.num_rows)[: c.num_rows] if c.data.path is None else None
+    return (
+        bundled_rows(cfg, "eval_rows", c.data.limit or c.num_rows, arithmetic.eval_rows)[: c.num_rows]
+        if c.data.path is None
+        else None
+    )
 
 
 def score_policy(
@@ -26,9 +34,12 @@ def score_policy(
     reward_model: str | None,
     max_prompt_length: int = 256,
     rollout: RolloutConfig | None = None,
-) -> tuple[dict[str, float], list[str]]:
+    agent=None,
+) -> tuple:
     """Greedy answers of the policy at ``path`` (sampled by the ``rollout`` backend, default hf): mean
-    rule reward (``accuracy``), mean reward-model score (``reward_score``), and the answers."""
+    rule reward (``accuracy``), mean reward-model score (``reward_score``), and the answers. With
+    ``agent`` (the algorithm section's :class:`~verl_core.agents.AgentSettings`), greedy episodes:
+    the answers are the policy's text, and ``agent/*`` tool metrics and the trajectory table are added."""
     from verl_core.data import tokenize_prompts
     from verl_core.evaluation import answer_rewards, greedy_completions
     from verl_core.models import load_causal_lm, load_tokenizer
@@ -40,6 +51,8 @@ def score_policy(
         backend = build_rollout_backend(rollout, model, tok)
     out: dict[str, float] = {}
     try:
+        if agent is not None:
+            return _score_episodes(model, tok, rows, reward, max_new_tokens, max_prompt_length, backend, agent)
         if reward is not None:
             texts, scores = answer_rewards(model, tok, rows, reward, max_new_tokens, max_prompt_length, backend)
             out["accuracy"] = sum(scores) / len(scores)
@@ -51,6 +64,20 @@ def score_policy(
     if reward_model is not None:
         out["reward_score"] = RewardModel.from_pretrained(reward_model).score([r["prompt"] for r in rows], texts).mean().item()
     return out, texts
+
+
+def _score_episodes(model, tok, rows, reward, max_new_tokens, max_prompt_length, backend, agent):
+    from verl_core.agents import build_agent_loop, episode_metrics, evaluate_episodes, trajectory_table
+    from verl_core.rollout import HFRolloutBackend
+
+    loop = build_agent_loop(agent, tok, max_new_tokens)
+    backend = backend or HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id)
+    accuracy, scores, episodes = evaluate_episodes(
+        backend, loop, rows, reward or "exact_match", max_new_tokens, max_prompt_length
+    )
+    texts = [tok.decode([t for t, m in zip(e.response, e.policy_mask) if m], skip_special_tokens=True) for e in episodes]
+    out = {"accuracy": accuracy, **{k: v for k, v in episode_metrics(episodes).items()}}
+    return out, texts, trajectory_table(episodes, scores, tok)
 
 
 def answer_samples(rows: list[dict], texts: list[str], reward: str | None, n: int = 20) -> list[dict]:
@@ -74,20 +101,42 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
     final = ctx.inputs.get("policy_optimisation") or ctx.inputs["sft"]
     policies = ([("base", ctx.inputs["base"])] if c.include_base else []) + [("sft", ctx.inputs["sft"]), ("final", final)]
     rm = ctx.inputs.get("reward_model")
-    scored: dict[str, tuple[dict[str, float], list[str]]] = {}
-    table = []
+    agent = (
+        getattr(ctx.config.policy_optimisation, ctx.config.policy_optimisation.algorithm)
+        if agent_environment(ctx.config)
+        else None
+    )
+    scored: dict[str, tuple] = {}
+    table, trajectories = [], []
+    report = ctx.output_dir / "report"
+    report.mkdir(exist_ok=True)
     for label, rec in policies:
         if rec.fingerprint not in scored:
             scored[rec.fingerprint] = score_policy(
-                rec.output_path, rows, c.reward, c.max_new_tokens, rm.output_path if rm else None, c.max_prompt_length, c.rollout
+                rec.output_path,
+                rows,
+                c.reward,
+                c.max_new_tokens,
+                rm.output_path if rm else None,
+                c.max_prompt_length,
+                c.rollout,
+                agent,
             )
         table.append({"policy": label, "stage": rec.stage, **scored[rec.fingerprint][0]})
-    metrics = {f"{k}/{row['policy']}": row[k] for row in table for k in ("accuracy", "reward_score") if k in row}
+        if agent is not None:  # MLflow's table-artifact layout (what MlflowClient.log_table writes)
+            columns = scored[rec.fingerprint][2]
+            path = report / f"agent_trajectories_{label}.json"
+            path.write_text(json.dumps({"columns": list(columns), "data": [list(r) for r in zip(*columns.values())]}, indent=1))
+            trajectories.append(path)
+    metrics = {
+        f"{k}/{row['policy']}": row[k]
+        for row in table
+        for k in row
+        if k in ("accuracy", "reward_score") or k.startswith("agent/")
+    }
     if "accuracy/final" in metrics:
         metrics["accuracy_gain"] = metrics["accuracy/final"] - metrics["accuracy/sft"]
     samples = answer_samples(rows, scored[final.fingerprint][1], c.reward)
-    report = ctx.output_dir / "report"
-    report.mkdir(exist_ok=True)
     (report / "results.json").write_text(json.dumps({"table": table, "metrics": metrics}, indent=2))
     (report / "final_answers.json").write_text(json.dumps(samples, indent=2))
     write_csv(report / "evaluation.csv", table)
@@ -101,7 +150,7 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
         output_path=report,
         metrics=metrics,
         tables={"evaluation": table, "final_answers": samples},
-        artifacts=[plot, report / "evaluation.csv", report / "results.json", report / "final_answers.json"],
+        artifacts=[plot, report / "evaluation.csv", report / "results.json", report / "final_answers.json", *trajectories],
         model_to_log=final.output_path,
         datasets=[DatasetUse("eval", rows, "evaluation", data_label(c.data, "eval"))],
         extra={"final_stage": final.stage, "final_path": final.output_path},

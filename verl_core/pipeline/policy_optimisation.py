@@ -16,7 +16,7 @@ from verl_core import arithmetic
 from verl_core.algorithms.registry import ALGORITHMS, Algorithm
 from verl_core.checkpoints import CHECKPOINTS_DIR
 from verl_core.data.errors import DataError
-from verl_core.pipeline.data import data_label, load_data, preference_rows_of
+from verl_core.pipeline.data import bundled_rows, data_label, load_data, preference_rows_of
 from verl_core.pipeline.records import PREVIOUS_ROUND, DatasetUse, Stage, StageContext, StageOutput, Step
 from verl_core.pipeline.training import train_in_stage, train_offline
 
@@ -42,9 +42,10 @@ def offline_rows(rows: list[dict], algorithm: str, source: str) -> list[dict]:
 
 
 def _prompts(cfg) -> list[dict]:
-    return load_data(
-        cfg.policy_optimisation.prompts, lambda limit: arithmetic.prompt_rows(limit or 256), "policy_optimisation.prompts"
-    )
+    def bundled(limit):
+        return bundled_rows(cfg, "prompt_rows", limit or 256, arithmetic.prompt_rows)
+
+    return load_data(cfg.policy_optimisation.prompts, bundled, "policy_optimisation.prompts")
 
 
 def _offline(ctx: StageContext, algorithm: Algorithm) -> StageOutput:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from verl_core import arithmetic
-from verl_core.pipeline.data import data_label, load_data
+from verl_core.pipeline.data import bundled_rows, data_label, load_data
 from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOutput, Step
 from verl_core.pipeline.training import train_offline
 
 
 def _bundled(cfg) -> list[dict] | None:
-    return arithmetic.sft_rows(cfg.sft.data.limit or 2000) if cfg.sft.data.path is None else None
+    if cfg.sft.data.path is not None:
+        return None
+    return bundled_rows(cfg, "sft_rows", cfg.sft.data.limit or 2000, arithmetic.sft_rows)
 
 
 def sft_stage(ctx: StageContext) -> StageOutput:

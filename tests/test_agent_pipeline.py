@@ -1,0 +1,90 @@
+"""Agentic RL as a pipeline setting: the environment picks every step's bundled data, unknown names are
+refused before any stage starts, and the recipes (configs/agent.yaml, configs/gsm8k_tools.yaml) run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verl_core.config import ConfigError
+from verl_core.pipeline import load_pipeline_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = [
+    "sft.max_steps=3",
+    "sft.data.limit=64",
+    "policy_optimisation.grpo.max_steps=2",
+    "policy_optimisation.grpo.batch_size=8",
+    "policy_optimisation.grpo.mini_batch_size=8",
+    "policy_optimisation.grpo.max_new_tokens=8",
+    "evaluation.num_rows=4",
+    "evaluation.max_new_tokens=8",
+    "evaluation.include_base=false",
+]
+
+
+@pytest.mark.fast
+def test_unknown_environment_or_tool_names_are_refused_by_the_config_naming_the_key():
+    with pytest.raises(ConfigError, match=r"policy_optimisation\.grpo\.tools: .*unknown tool 'shell'"):
+        load_pipeline_config(
+            None, ["policy_optimisation.grpo.environment=calculator_arithmetic", "policy_optimisation.grpo.tools=[shell]"]
+        )
+    with pytest.raises(ConfigError, match=r"policy_optimisation\.ppo\.environment: .*unknown environment 'calc'"):
+        load_pipeline_config(None, ["policy_optimisation.ppo.environment=calc"])
+
+
+@pytest.mark.fast
+def test_the_environment_selects_every_steps_bundled_data_and_so_their_cache_keys():
+    from verl_core.agents import tasks
+    from verl_core.pipeline.registry import stage_for
+
+    plain = load_pipeline_config(None, ["policy_optimisation.algorithm=grpo"])
+    agent = load_pipeline_config(ROOT / "configs" / "agent.yaml")
+    assert agent.policy_optimisation.grpo.environment == "calculator_arithmetic"
+    for step, rows in (("sft", tasks.sft_rows(3000)), ("evaluation", tasks.eval_rows(200))):
+        assert stage_for(agent, step).bundled(agent) == rows
+        assert stage_for(plain, step).bundled(plain) != rows
+    assert stage_for(agent, "policy_optimisation").bundled(agent) == tasks.prompt_rows(256)
+
+
+@pytest.mark.slow
+def test_the_agent_recipe_runs_every_step_with_episodes_and_trajectory_tables(tmp_path):
+    from test_user_data import _run_pipeline
+
+    config = load_pipeline_config(ROOT / "configs" / "agent.yaml", [f"workdir={tmp_path}", *SHORT])
+    records = _run_pipeline(config)
+    history = json.loads(Path(records["policy_optimisation"].extra["history"]).read_text())
+    assert {"agent/turns_mean", "agent/tool_calls_per_episode", "agent/tool_errors_per_episode"} <= set(history)
+    report = Path(records["evaluation"].output_path)
+    metrics = json.loads((report / "results.json").read_text())["metrics"]
+    assert {"accuracy/sft", "accuracy/final", "agent/turns_mean/final", "agent/tool_calls_per_episode/sft"} <= set(metrics)
+    table = json.loads((report / "agent_trajectories_final.json").read_text())  # MLflow's table layout
+    assert {"turns", "tool_calls", "reward", "transcript"} <= set(table["columns"]) and len(table["data"]) == 4
+
+
+@pytest.mark.slow
+def test_the_gsm8k_python_tool_recipe_runs_on_the_tiny_model(shared_data, tmp_path):
+    from test_user_data import _run_pipeline
+
+    gsm8k = str(shared_data / "gsm8k-test.jsonl")
+    overrides = [f"{k}.path={gsm8k}" for k in ("sft.data", "policy_optimisation.prompts", "evaluation.data")]
+    config = load_pipeline_config(
+        ROOT / "configs" / "gsm8k_tools.yaml",
+        [
+            f"workdir={tmp_path}",
+            *overrides,
+            *SHORT,
+            "sft.batch_size=8",
+            "sft.max_length=640",
+            "policy_optimisation.prompts.limit=8",
+            "policy_optimisation.grpo.num_generations=4",
+            "policy_optimisation.grpo.max_response_tokens=32",
+        ],
+    )
+    assert config.policy_optimisation.grpo.environment == "python_math"
+    records = _run_pipeline(config)
+    assert records["policy_optimisation"].extra["steps"] == 2
+    metrics = json.loads((Path(records["evaluation"].output_path) / "results.json").read_text())["metrics"]
+    assert 0.0 <= metrics["accuracy/final"] <= 1.0 and "agent/turns_mean/final" in metrics

@@ -47,6 +47,7 @@ import torch
 from verl_core.agents.environments import EpisodeSampler, build_agent_loop
 from verl_core.algorithms import online_batch
 from verl_core.algorithms.agentic import evaluate_agent, online_prompts
+from verl_core.algorithms.async_rollout import build_backend
 from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
 from verl_core.algorithms.online_batch import gather_experience, gather_rows, mean_over_ranks, minibatch_share, prompt_seeds
 from verl_core.algorithms.online_config import KLKind, OnlineConfig  # noqa: F401  (KLKind: part of this module's API)
@@ -65,7 +66,7 @@ from verl_core.policies import LLMPolicy
 from verl_core.precision import AUTOCAST_DTYPES, allow_precision_change
 from verl_core.rewards.model import RewardModel, RewardSource, UserRewards
 from verl_core.rollout import HFRolloutBackend, RolloutBackend, RolloutBatch, SamplingParams, decode_responses
-from verl_core.rollout_backends import build_rollout_backend, close_backend
+from verl_core.rollout_backends import close_backend
 
 log = logging.getLogger("verl_core")
 
@@ -193,9 +194,8 @@ class OnlineTrainer:
             self.rewards.reward_model.to(acc.device).autocast_dtype = AUTOCAST_DTYPES.get(c.mixed_precision)
         lm = self.policy_lm(engine.unwrapped)
         owned = None  # an engine this run starts is closed when it ends
-        if self.backend is None:
-            autocast = AUTOCAST_DTYPES.get(c.mixed_precision)
-            self.backend = owned = build_rollout_backend(c.rollout, lm, self.policy.tokenizer, autocast, acc.num_processes)
+        if self.backend is None:  # async_rollout.max_staleness > 0: worker processes (.async_rollout), else in-process
+            self.backend = owned = build_backend(self, lm, AUTOCAST_DTYPES.get(c.mixed_precision))
         if self.agent is not None and not isinstance(self.backend, EpisodeSampler):
             self.backend = EpisodeSampler(self.backend, self.agent)  # the turn loop around any backend
         if engine.is_main:
@@ -300,8 +300,7 @@ class OnlineTrainer:
             scores = scores - self.config.missing_eos_penalty * (~rollout.finished.cpu()).float()
         metrics = {"reward/mean": scores.mean().item(), "reward/std": scores.std(unbiased=False).item()}
         metrics.update({f"reward/{k}": v.float().mean().item() for k, v in result.components.items()})
-        if isinstance(self.backend, EpisodeSampler):
-            metrics.update(self.backend.metrics())
+        metrics.update(getattr(self.backend, "metrics", dict)())  # episodes: agent/*; async workers: async/*
         return scores, metrics
 
     @torch.no_grad()

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from verl_core.agents.environments import AgentSettings
+from verl_core.algorithms.async_config import AsyncRolloutConfig, check_async_config
 from verl_core.algorithms.base import LMHeadSettings
 from verl_core.engine import TrainConfig
 from verl_core.losses.correction import ROLLOUT_CORRECTIONS
@@ -50,6 +51,9 @@ class OnlineConfig(TrainConfig, RewardSourceConfig, LMHeadSettings, AgentSetting
         "the mismatch is logged whenever the sampler is not the training model itself",
     )
     tis_cap: float = Field(2.0, gt=0, description="the TIS weight's cap C")
+    async_rollout: AsyncRolloutConfig = Field(
+        default_factory=AsyncRolloutConfig, description="rollout workers apart from the trainer, bounded staleness"
+    )
     policy_loss: PolicyLossName = Field(
         "vanilla", description=f"the policy loss, by name in losses.policy.POLICY_LOSSES: {' | '.join(POLICY_LOSSES)}"
     )
@@ -94,6 +98,7 @@ class OnlineConfig(TrainConfig, RewardSourceConfig, LMHeadSettings, AgentSetting
             raise ValueError(f"batch_size {self.batch_size} is not a multiple of mini_batch_size {self.mini_batch_size}")
         if self.policy_loss == "cispo" and self.dual_clip is not None:
             raise ValueError("policy_loss 'cispo' has no dual clip (its IS weight is already bounded); set dual_clip to null")
+        check_async_config(self)
         return self
 
     def policy_loss_kwargs(self) -> dict[str, float | str | None]:

@@ -303,6 +303,20 @@ class PipelineConfig(StrictConfig):
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig, description="where training stages run (default)")
 
+    @model_validator(mode="after")
+    def _async_rollout_launcher(self):
+        """Rollout workers (``async_rollout``) are local processes beside one training process: no Ray actor yet."""
+        po = self.policy_optimisation
+        settings = getattr(getattr(po, po.algorithm, None), "async_rollout", None)
+        launcher = po.launcher or self.launcher
+        if settings is not None and settings.enabled and (launcher.kind == "ray" or launcher.world_size > 1):
+            raise ValueError(
+                f"policy_optimisation.{po.algorithm}.async_rollout.max_staleness > 0 with launcher.kind "
+                f"{launcher.kind!r} and {launcher.world_size} process(es): rollout workers run as local processes "
+                "beside one training process (no Ray actor); use launcher.kind 'local' or async_rollout.max_staleness: 0"
+            )
+        return self
+
     @property
     def workdir_path(self) -> Path:
         return Path(self.workdir).expanduser().resolve()

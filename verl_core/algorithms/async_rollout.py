@@ -1,0 +1,259 @@
+"""Asynchronous rollout: sampling in worker processes while the trainer updates, with bounded staleness.
+
+In the synchronous loop the trainer samples step ``s``, then updates on it, and the sampler idles
+while the trainer trains (and the reverse). Here ``async_rollout.workers`` processes
+(:mod:`verl_core.rollout_worker`) sample, and the batch of step ``s`` may have been sampled with
+the weights of any version ``v >= s - max_staleness`` (version ``v``: the weights after ``v``
+updates). With ``max_staleness = 1`` the worker samples step ``s + 1`` while the trainer trains
+step ``s``: verl's one-step-off-policy recipe; larger bounds are AReaL's staleness-bounded
+asynchronous RL (Fu et al. 2025, arXiv:2505.24298, Sec. 4). ``max_staleness = 0`` (the default)
+starts nothing: the trainer builds its usual in-process backend, today's loop bit for bit.
+
+Correctness with staleness > 0: the batch is off-policy by up to ``max_staleness`` updates. The
+trainer recomputes the old log-probs with its current weights (the ratio of the clipped surrogate
+is then taken against those, AReaL's decoupled "proximal" policy) and keeps the worker's sampled
+log-probs as the behaviour policy (``rollout_logp``), exactly the path of a vLLM sampler
+(:func:`~verl_core.losses.correction.correct_rollout_mismatch`): ``mismatch/*`` measure how far the
+behaviour policy is, and ``rollout_correction: tis`` reweights each token by the truncated
+importance ratio ``min(pi_train / pi_behaviour, tis_cap)``.
+
+:class:`AsyncRolloutBackend` is what the trainer sees: a :class:`~verl_core.rollout.RolloutBackend`
+whose ``generate`` returns the queued batch of the engine's current step (checked against the
+prompts and seed the trainer asked for) and whose ``sync_weights`` publishes the next version.
+Workers start at the first ``generate``, i.e. after the engine resumed: a resumed run samples from
+the resumed step with the resumed weights, queue contents are not kept, and no step is trained
+twice. A worker that dies is restarted up to ``max_restarts`` times (its pending jobs are sent
+again); then, or when no batch arrives within ``queue_timeout_s``, the step fails naming the
+worker, its exit code or last error.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing
+import queue
+import time
+from typing import Any
+
+import torch
+
+from verl_core.algorithms.online_batch import prompt_seeds
+from verl_core.algorithms.sampling import step_prompt_indices
+from verl_core.config import ConfigError
+from verl_core.errors import TrainingError
+from verl_core.rollout import RolloutBatch
+from verl_core.rollout_backends import build_rollout_backend
+from verl_core.rollout_worker import WeightStore, WorkerSpec, batch_from_bytes, worker_main
+
+log = logging.getLogger("verl_core")
+
+
+def build_backend(trainer: Any, lm: torch.nn.Module, autocast: torch.dtype | None) -> Any:
+    """The trainer's rollout backend: the in-process one (``max_staleness`` 0) or an :class:`AsyncRolloutBackend`."""
+    c, processes = trainer.config, trainer.engine.accelerator.num_processes
+    if not c.async_rollout.enabled:
+        return build_rollout_backend(c.rollout, lm, trainer.policy.tokenizer, autocast, processes)
+    if processes > 1:
+        raise ConfigError(
+            f"async_rollout.max_staleness > 0 runs with one training process; this run has {processes} "
+            "(launcher.num_processes: 1, or async_rollout.max_staleness: 0)"
+        )
+    if hasattr(lm, "get_base_model"):
+        raise ConfigError("async_rollout.max_staleness > 0 with a LoRA policy: workers load full weights; use lora: null")
+    return AsyncRolloutBackend(trainer, lm, autocast)
+
+
+class _Worker:
+    def __init__(self, index: int):
+        self.index, self.incarnation, self.restarts, self.ready = index, -1, 0, False
+        self.process: Any = None
+        self.jobs: Any = None
+        self.results: Any = None
+        self.pending: collections.deque = collections.deque()  # jobs sent, batch not yet received
+
+
+class AsyncRolloutBackend:
+    """The trainer's side of the workers (see the module doc)."""
+
+    def __init__(self, trainer: Any, lm: torch.nn.Module, autocast: torch.dtype | None):
+        c = trainer.config
+        self.trainer, self.lm, self.settings = trainer, lm, c.async_rollout
+        self.store = WeightStore()
+        self.spec = WorkerSpec(
+            model_config=lm.config,
+            dtype=next(lm.parameters()).dtype,
+            tokenizer=trainer.policy.tokenizer,
+            rollout=c.rollout,
+            sampling=trainer.sampling,
+            autocast_dtype=autocast,
+            max_staleness=self.settings.max_staleness,
+            threads=self.settings.worker_threads,
+            weights_dir=str(self.store.folder),
+        )
+        self.ctx = multiprocessing.get_context("spawn")  # fork after torch started its threads is unsafe
+        self.workers = [_Worker(i) for i in range(self.settings.workers)]
+        self.step: int | None = None  # the step whose batch was handed out last
+        self.next_job = 0
+        self.last: dict[str, float] = {}
+        self.max_seen = 0
+        self.threads_before = torch.get_num_threads()
+
+    # -- the RolloutBackend protocol ---------------------------------------------------------
+    def generate(self, prompt_ids, params, seed) -> RolloutBatch:
+        step = self.trainer.engine.step
+        if self.step is None:
+            self._start(step)
+        w = self.workers[step % len(self.workers)]
+        t0 = time.perf_counter()
+        got, version, payload, gen_seconds = self._receive(w, step)
+        job = w.pending.popleft()
+        if got != step or job[0] != step or job[2] != seed or [list(p) for p in prompt_ids] != job[1]:
+            raise TrainingError(f"rollout worker {w.index} answered step {got}, the trainer is at step {step} (a bug)")
+        staleness = step - version
+        if not 0 <= staleness <= self.settings.max_staleness:
+            raise TrainingError(
+                f"step {step} got a batch of policy version {version}: staleness {staleness} outside "
+                f"[0, async_rollout.max_staleness={self.settings.max_staleness}] (a bug)"
+            )
+        self.step, self.max_seen = step, max(self.max_seen, staleness)
+        self.last = {
+            "async/staleness": float(staleness),
+            "async/staleness_max": float(self.max_seen),
+            "async/policy_version": float(version),
+            "async/queue_wait_s": time.perf_counter() - t0,
+            "async/worker_gen_seconds": gen_seconds,
+            "async/restarts": float(sum(x.restarts for x in self.workers)),
+        }
+        return batch_from_bytes(payload)
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """After the update of step ``s``: publish version ``s + 1``, send the jobs it unlocks."""
+        if self.step is None:
+            return
+        self.store.publish(self.step + 1, model)
+        self._submit_up_to(self.step + 1 + self.settings.max_staleness)
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.last)
+
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers if w.process is not None]
+
+    def close(self) -> None:
+        for w in self.workers:
+            self._stop(w, graceful=True)
+        self.store.remove()
+        if self.settings.trainer_threads is not None:
+            torch.set_num_threads(self.threads_before)
+
+    # -- workers -----------------------------------------------------------------------------
+    def _start(self, step: int) -> None:
+        if self.settings.trainer_threads is not None:
+            torch.set_num_threads(self.settings.trainer_threads)
+        self.store.publish(step, self.lm)  # version = updates so far (the resumed weights on resume)
+        self.next_job = step
+        for w in self.workers:
+            self._spawn(w)
+        self._submit_up_to(step + self.settings.max_staleness)
+
+    def _job(self, step: int) -> tuple[int, list[list[int]], int | list[int]]:
+        """The prompts and seed the synchronous loop samples at ``step`` (one process: rank 0 of 1)."""
+        t = self.trainer
+        idx = step_prompt_indices(len(t.prompts), step, t.config, 0, 1)
+        seed: int | list[int] = t.rollout_seed(step)
+        if t.config.seed_per_prompt:
+            seed = prompt_seeds(t.config.seed, step, 0, len(idx))
+        return step, [list(t.prompts[i]["prompt_ids"]) for i in idx], seed
+
+    def _submit_up_to(self, last: int) -> None:
+        last = min(last, self.trainer.engine.total_steps - 1)
+        while self.next_job <= last:
+            w = self.workers[self.next_job % len(self.workers)]
+            job = self._job(self.next_job)
+            w.pending.append(job)
+            w.jobs.put(job)
+            self.next_job += 1
+
+    def _spawn(self, w: _Worker) -> None:
+        w.incarnation += 1
+        w.ready = False
+        w.jobs, w.results = self.ctx.Queue(), self.ctx.Queue()
+        w.process = self.ctx.Process(
+            target=worker_main,
+            args=(w.index, w.incarnation, self.spec, w.jobs, w.results),
+            name=f"verl-core-rollout-{w.index}",
+            daemon=True,
+        )
+        w.process.start()
+        for job in w.pending:  # a restarted worker takes over what its predecessor had not delivered
+            w.jobs.put(job)
+        log.info("rollout worker %d started (pid %d, incarnation %d)", w.index, w.process.pid, w.incarnation)
+
+    def _stop(self, w: _Worker, graceful: bool = False) -> None:
+        p = w.process
+        if p is None:
+            return
+        if graceful and p.is_alive():
+            try:
+                w.jobs.put(None)
+            except (OSError, ValueError):
+                pass
+            p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+        for q in (w.jobs, w.results):
+            q.cancel_join_thread()
+            q.close()
+        w.process = None
+
+    def _receive(self, w: _Worker, step: int) -> tuple[int, int, bytes, float]:
+        """The next message of worker ``w``: restart it when it died (bounded), fail on its error or a timeout."""
+        timeout, startup = self.settings.queue_timeout_s, self.settings.startup_timeout_s
+        deadline = time.monotonic() + (timeout if w.ready else max(timeout, startup))
+        while True:
+            try:
+                msg = w.results.get(timeout=max(0.01, min(0.5, deadline - time.monotonic())))
+            except queue.Empty:
+                msg = None
+            if msg is not None and msg[0] == "batch":
+                return msg[1], msg[2], msg[3], msg[4]
+            if msg is not None and msg[0] == "ready":  # the copy is built: the queue timeout now bounds sampling
+                w.ready, deadline = True, time.monotonic() + timeout
+                continue
+            if msg is None and w.process.is_alive():
+                if time.monotonic() >= deadline:
+                    pid = w.process.pid
+                    self._stop(w)
+                    what = f"queue_timeout_s={timeout:g}s" if w.ready else f"startup_timeout_s={max(timeout, startup):g}s"
+                    raise TrainingError(
+                        f"rollout worker {w.index} (pid {pid}) delivered no batch for step {step} within "
+                        f"async_rollout.{what}; it was stopped"
+                    )
+                continue
+            if msg is None:  # died: a last message may still be in the pipe
+                try:
+                    msg = w.results.get(timeout=0.5)
+                except queue.Empty:
+                    pass
+                if msg is not None and msg[0] == "batch":
+                    return msg[1], msg[2], msg[3], msg[4]
+            if msg is None:
+                w.process.join(timeout=5)
+                why = f"exited with code {w.process.exitcode}"
+            else:
+                w.process.join(timeout=5)
+                why = f"failed (exit code {w.process.exitcode}): {msg[1].strip().splitlines()[-1]}"
+            if w.restarts >= self.settings.max_restarts:
+                self._stop(w)
+                detail = msg[1] if msg is not None else ""
+                raise TrainingError(
+                    f"rollout worker {w.index} {why} at step {step}, after {w.restarts} restarts "
+                    f"(async_rollout.max_restarts={self.settings.max_restarts}){': ' + detail if detail else ''}"
+                )
+            log.warning("rollout worker %d %s at step %d: restarting it", w.index, why, step)
+            self._stop(w)
+            w.restarts += 1
+            self._spawn(w)
+            deadline = time.monotonic() + max(timeout, startup)

@@ -1,0 +1,190 @@
+"""A rollout worker process: samples the trainer's rollout jobs with the newest published policy weights.
+
+Asynchronous RL (:mod:`verl_core.algorithms.async_rollout`) moves sampling out of the trainer's
+process, so that the next step's batch is sampled while the trainer updates on the current one
+(AReaL, Fu et al. 2025, arXiv:2505.24298; verl's one-step-off-policy recipe). This module is the
+worker's side; it holds no trainer state:
+
+- **Jobs.** The trainer sends ``(step, prompt_ids, seed)``: the prompts and sampling seed the
+  synchronous loop would use at ``step`` (``OnlineTrainer.rollout_seed``, ``step_prompt_indices``),
+  so a batch is a pure function of ``(step, policy version)``.
+- **Weights.** The trainer publishes version ``v`` (the weights after ``v`` updates) as one file
+  ``v00000012.pt`` in a shared-memory folder (``/dev/shm`` when there is one), written to a
+  temporary name and renamed, so a reader never sees half a file; never a checkpoint on disk.
+  Before sampling ``step`` the worker waits until a version ``>= step - max_staleness`` exists and
+  loads the newest one (in place: the HF backend samples from the same module, vLLM gets
+  ``sync_weights``).
+- **Results.** ``("ready", pid)`` once the policy copy is built, then ``("batch", step, version,
+  payload, seconds)`` with the :class:`RolloutBatch` tensors (the behaviour log-probs among them)
+  serialised by ``torch.save`` into bytes, or ``("error", text)`` before the worker exits with code 1.
+- **Orphans.** While waiting the worker polls its parent; a trainer killed with SIGKILL leaves no
+  sampler running.
+
+``VERL_CORE_ROLLOUT_WORKER_FAULT`` (``exit:STEP``, ``raise:STEP``, ``hang:STEP``, optionally
+``:always``) injects a failure when the worker takes ``STEP``'s job, in its first incarnation
+only unless ``always``: the tests' hook for worker death and hangs.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl_core.rollout import RolloutBatch
+
+FAULT_ENV = "VERL_CORE_ROLLOUT_WORKER_FAULT"
+_POLL_S = 0.05
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker needs to build its own policy copy and sampler (sent once, at spawn)."""
+
+    model_config: Any  # the policy LM's transformers config
+    dtype: torch.dtype
+    tokenizer: Any
+    rollout: Any  # RolloutConfig
+    sampling: Any  # SamplingParams
+    autocast_dtype: torch.dtype | None
+    max_staleness: int
+    threads: int
+    weights_dir: str
+
+
+class WeightStore:
+    """Versions of the policy weights in a shared-memory folder: :meth:`publish` (trainer), :meth:`newest` /
+    :meth:`load` (workers). Only the newest version is kept; a reader whose file was just replaced
+    looks again."""
+
+    def __init__(self, folder: str | Path | None = None):
+        if folder is None:
+            shm = Path("/dev/shm")
+            base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+            folder = tempfile.mkdtemp(prefix="verl-core-weights-", dir=base)
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        tmp = self.folder / f".tmp-v{version:08d}.pt"
+        torch.save(state, tmp)
+        tmp.rename(self.folder / f"v{version:08d}.pt")
+        for old in self.folder.glob("v*.pt"):
+            if _version_of(old) < version:
+                old.unlink(missing_ok=True)
+
+    def newest(self) -> int:
+        """The newest published version (-1: none yet)."""
+        return max((_version_of(p) for p in self.folder.glob("v*.pt")), default=-1)
+
+    def load(self, version: int) -> dict[str, torch.Tensor] | None:
+        try:
+            return torch.load(self.folder / f"v{version:08d}.pt", weights_only=True)
+        except FileNotFoundError:
+            return None  # replaced by a newer version meanwhile
+
+    def remove(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _version_of(path: Path) -> int:
+    return int(path.stem.removeprefix("v"))
+
+
+def batch_to_bytes(batch: RolloutBatch) -> bytes:
+    buf = io.BytesIO()
+    torch.save({f.name: getattr(batch, f.name) for f in fields(batch)}, buf)
+    return buf.getvalue()
+
+
+def batch_from_bytes(payload: bytes) -> RolloutBatch:
+    return RolloutBatch(**torch.load(io.BytesIO(payload), weights_only=True))
+
+
+def _parent_alive() -> bool:
+    parent = multiprocessing.parent_process()
+    return parent is None or parent.is_alive()
+
+
+def _fault(step: int, incarnation: int) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    kind, at, *always = spec.split(":")
+    if int(at) != step or (incarnation > 0 and not always):
+        return
+    if kind == "exit":
+        os._exit(3)
+    if kind == "raise":
+        raise RuntimeError(f"injected rollout worker fault at step {step}")
+    if kind == "hang":
+        while _parent_alive():
+            time.sleep(0.2)
+        os._exit(0)
+
+
+def _next_job(jobs) -> Any:
+    while True:
+        try:
+            return jobs.get(timeout=0.5)
+        except queue.Empty:
+            if not _parent_alive():
+                os._exit(0)
+
+
+def _wait_for_version(store: WeightStore, need: int) -> int:
+    while (version := store.newest()) < need:
+        if not _parent_alive():
+            os._exit(0)
+        time.sleep(_POLL_S)
+    return version
+
+
+def worker_main(index: int, incarnation: int, spec: WorkerSpec, jobs, results) -> None:
+    """The worker process (spawned): build the policy copy and backend, then serve jobs until ``None``."""
+    try:
+        torch.set_num_threads(spec.threads)
+        from transformers import AutoModelForCausalLM
+
+        from verl_core.rollout_backends import build_rollout_backend
+
+        store = WeightStore(spec.weights_dir)
+        model = AutoModelForCausalLM.from_config(spec.model_config, dtype=spec.dtype).eval().requires_grad_(False)
+        results.put(("ready", os.getpid()))  # the trainer's queue timeout restarts: building the copy is not sampling
+        backend, held = None, -1
+        while (job := _next_job(jobs)) is not None:
+            step, prompt_ids, seed = job
+            _fault(step, incarnation)
+            version = _wait_for_version(store, step - spec.max_staleness)
+            while version > held:
+                state = store.load(version)
+                if state is None:  # replaced while we looked: take the newer one
+                    version = store.newest()
+                    continue
+                model.load_state_dict(state)
+                held = version
+                if backend is None:
+                    backend = build_rollout_backend(spec.rollout, model, spec.tokenizer, spec.autocast_dtype)
+                else:
+                    backend.sync_weights(model)
+            t0 = time.perf_counter()
+            batch = backend.generate(prompt_ids, spec.sampling, seed=seed)
+            results.put(("batch", step, held, batch_to_bytes(batch.to("cpu")), time.perf_counter() - t0))
+    except BaseException:  # noqa: BLE001  (the trainer gets the traceback as data, then the exit code)
+        results.put(("error", f"rollout worker {index}: {traceback.format_exc()}"))
+        results.close()
+        results.join_thread()
+        sys.exit(1)

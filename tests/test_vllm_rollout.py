@@ -280,3 +280,14 @@ def test_the_evaluation_stage_scores_the_same_greedy_answers_with_either_backend
     hf = score_policy(str(sft_path), rows, "exact_match", 24, None)
     vllm = score_policy(str(sft_path), rows, "exact_match", 24, None, rollout=RolloutConfig(backend="vllm", enforce_eager=True))
     assert vllm == hf and 0 < hf[0]["accuracy"] < 1
+
+
+@pytest.mark.fast
+def test_engine_dtype_auto_follows_mixed_precision_on_a_gpu_and_the_policy_elsewhere():
+    from verl_core.rollout_backends import _auto_dtype
+
+    fp32 = torch.nn.Linear(2, 2)
+    assert _auto_dtype(fp32, torch.bfloat16, "cuda") == "bfloat16"  # fp32 master weights, bf16 forwards: sample in bf16
+    assert _auto_dtype(fp32, None, "cuda") == "float32"
+    assert _auto_dtype(fp32, torch.bfloat16, "cpu") == "float32"  # on CPU the engine samples what the trainer scores
+    assert _auto_dtype(fp32.to(torch.bfloat16), None, "cpu") == "bfloat16"

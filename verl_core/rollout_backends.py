@@ -45,7 +45,7 @@ def _vllm_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, auto
     reason = vllm_skip_reason(getattr(model, "config", None), device)
     if reason is not None:
         raise VLLMUnavailableError(f"rollout.backend 'vllm' cannot run this policy: {reason}; use rollout.backend: hf")
-    dtype = config.dtype if config.dtype != "auto" else str(next(model.parameters()).dtype).removeprefix("torch.")
+    dtype = config.dtype if config.dtype != "auto" else _auto_dtype(model, autocast_dtype, device)
     with _architecture_folder(model, tokenizer) as folder:
         backend = VLLMRolloutBackend(
             folder,
@@ -64,6 +64,15 @@ def _vllm_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, auto
     return backend
 
 
+def _auto_dtype(model: torch.nn.Module, autocast_dtype: torch.dtype | None, device: str) -> str:
+    """``dtype: auto``: on a GPU under mixed precision the autocast dtype (the policy keeps fp32 master
+    weights, but its forward passes, and any peer's engine, run in bf16/fp16); otherwise the policy's
+    own dtype, so a CPU run (fp32 in tests) samples exactly what the trainer scores."""
+    if device == "cuda" and autocast_dtype is not None:
+        return str(autocast_dtype).removeprefix("torch.")
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
 # name -> builder(config, live model, tokenizer, autocast dtype)
 ROLLOUT_BACKENDS: dict[str, Callable[..., RolloutBackend]] = {"hf": _hf_backend, "vllm": _vllm_backend}
 
@@ -75,7 +84,8 @@ class RolloutConfig(StrictConfig):
         "hf", description="hf: the policy's KV cache in this process; vllm: a vLLM engine"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="vllm: the engine's weights; auto = the policy's dtype"
+        "auto",
+        description="vllm: the engine's weights; auto = the autocast dtype on a GPU under mixed precision, else the policy's",
     )
     max_model_len: int | None = Field(None, ge=1, description="vllm: longest prompt + response; null = the model's")
     kv_cache_space_gib: int = Field(1, ge=1, description="vllm on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)")

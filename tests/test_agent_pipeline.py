@@ -50,11 +50,19 @@ def test_the_environment_selects_every_steps_bundled_data_and_so_their_cache_key
 
 
 @pytest.mark.slow
-def test_the_agent_recipe_runs_every_step_with_episodes_and_trajectory_tables(tmp_path):
-    from test_user_data import _run_pipeline
+def test_the_agent_recipe_runs_as_a_prefect_flow_tracked_in_mlflow_and_reruns_cached(prefect_harness, tmp_path):
+    """configs/agent.yaml through the Prefect flow (the same tasks, cache keys, retries as any algorithm): episodes
+    train, the evaluation writes trajectory tables, MLflow holds the agent metrics and the tables as artifacts of
+    the stage runs, and a rerun of the same config is all cached."""
+    from mlflow import MlflowClient
 
-    config = load_pipeline_config(ROOT / "configs" / "agent.yaml", [f"workdir={tmp_path}", *SHORT])
-    records = _run_pipeline(config)
+    from flows import rlhf_pipeline
+
+    where = [f"workdir={tmp_path / 'work'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    config = load_pipeline_config(ROOT / "configs" / "agent.yaml", [*where, *SHORT])
+    result = rlhf_pipeline(config)
+    assert {result.states[s] for s in ("sft", "policy_optimisation", "evaluation")} == {"Completed"}
+    records = result.records
     history = json.loads(Path(records["policy_optimisation"].extra["history"]).read_text())
     assert {"agent/turns_mean", "agent/tool_calls_per_episode", "agent/tool_errors_per_episode"} <= set(history)
     report = Path(records["evaluation"].output_path)
@@ -62,6 +70,18 @@ def test_the_agent_recipe_runs_every_step_with_episodes_and_trajectory_tables(tm
     assert {"accuracy/sft", "accuracy/final", "agent/turns_mean/final", "agent/tool_calls_per_episode/sft"} <= set(metrics)
     table = json.loads((report / "agent_trajectories_final.json").read_text())  # MLflow's table layout
     assert {"turns", "tool_calls", "reward", "transcript"} <= set(table["columns"]) and len(table["data"]) == 4
+
+    client = MlflowClient(tracking_uri=config.tracking.uri)
+    exp = client.get_experiment_by_name(config.tracking.experiment)
+    stage_runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{result.mlflow_run_id}'")
+    runs = {r.data.tags["verl_core.stage"]: r for r in stage_runs}
+    assert {r.info.status for r in runs.values()} == {"FINISHED"}
+    assert "agent/tool_calls_per_episode" in runs["policy_optimisation"].data.metrics
+    assert "agent_trajectories_final.json" in {a.path for a in client.list_artifacts(runs["evaluation"].info.run_id)}
+
+    again = rlhf_pipeline(config)
+    assert {again.states[s] for s in ("sft", "policy_optimisation", "evaluation")} == {"Cached"}
+    assert again.records["evaluation"] == records["evaluation"]
 
 
 @pytest.mark.slow

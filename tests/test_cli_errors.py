@@ -42,7 +42,7 @@ def test_workdir_and_tracking_fail_in_seconds_before_any_training(tmp_path, caps
     took = time.monotonic() - start
     err = capsys.readouterr().err
     assert code == 1 and re.search(error, err) and "Traceback" not in err, err
-    assert took < 15, took  # the 5 s connection limit plus imports on a busy machine; was 117-262 s
+    assert took < 60, took  # the 5 s connection limit plus imports on a loaded machine; training would take 117-262 s
     assert not (tmp_path / "w" / "stages").exists()
 
 

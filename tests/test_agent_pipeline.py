@@ -108,3 +108,39 @@ def test_the_gsm8k_python_tool_recipe_runs_on_the_tiny_model(shared_data, tmp_pa
     assert records["policy_optimisation"].extra["steps"] == 2
     metrics = json.loads((Path(records["evaluation"].output_path) / "results.json").read_text())["metrics"]
     assert 0.0 <= metrics["accuracy/final"] <= 1.0 and "agent/turns_mean/final" in metrics
+
+
+@pytest.mark.slow
+def test_agent_grpo_on_two_torchrun_processes_equals_the_in_process_run_with_the_same_micro_batches(tiny_path, tmp_path):
+    """The policy-optimisation stage of configs/agent.yaml launched as a 2-process torchrun job: each process runs the
+    episodes of its prompts (seeded per prompt, so the split changes no episode), the trainer gathers the global batch,
+    and the update equals the in-process run taking the same two micro-batches (the launcher's guarantee,
+    tests/test_distributed_stages.py), tools and masks included."""
+    from safetensors.torch import load_file
+
+    from verl_core.pipeline import run_stage
+    from verl_core.pipeline.launch import run_stage_launched
+    from verl_core.pipeline.records import StageRecord
+    from verl_core.pipeline.registry import base_model_record
+
+    po = "policy_optimisation.grpo"
+    # entropy bonus: a gradient on every policy token even where a 3-step SFT policy scores 0 everywhere
+    sets = [*SHORT, f"{po}.seed_per_prompt=true", f"{po}.mixed_precision=no", f"{po}.max_steps=2", f"{po}.entropy_coef=0.01"]
+    sets += ["sft.mixed_precision=no"]
+
+    def config(name: str, *extra: str):
+        where = [f"workdir={tmp_path / name}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", f"base_model={tiny_path}"]
+        return load_pipeline_config(ROOT / "configs" / "agent.yaml", [*where, *sets, *extra])
+
+    local_cfg = config("local", f"{po}.gradient_accumulation_steps=2")
+    sft = run_stage(local_cfg, "sft", {"base": base_model_record(local_cfg)}).record
+    given = StageRecord(stage="sft", output_path=sft.output_path, fingerprint=sft.fingerprint, given=True)
+    local = run_stage(local_cfg, "policy_optimisation", {"sft": given}).record
+    launched_cfg = config("torchrun", "launcher.kind=torchrun", "launcher.num_processes=2")
+    launched = run_stage_launched(launched_cfg, "policy_optimisation", {"sft": given}).record
+    start, a, b = (load_file(str(Path(r.output_path) / "model.safetensors")) for r in (sft, local, launched))
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-6, f"parameters differ by {worst}"
+    assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-5  # the stage did update the policy
+    for key in ("agent/tool_calls_per_episode", "agent/turns_mean", "reward/mean"):
+        assert launched.metrics[key] == pytest.approx(local.metrics[key], abs=1e-6), key

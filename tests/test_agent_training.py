@@ -13,6 +13,7 @@ from verl_core.callbacks import Callback
 from verl_core.forward import response_logprobs
 from verl_core.models import load_causal_lm, load_tokenizer
 from verl_core.rollout import HFRolloutBackend, SamplingParams
+from verl_core.rollout_vllm import vllm_installed
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 LOGP_TOL = 1e-4  # as the single-turn backends (tests/test_vllm_rollout.py); measured ~3e-6 here in fp32
@@ -159,17 +160,7 @@ def test_rl_with_the_calculator_raises_exact_match_over_sft_and_over_rl_without_
     assert rloo >= sft + GAIN_OVER_SFT and rloo >= without + GAIN_OVER_NO_TOOLS, (sft, rloo, without)
 
 
-def _vllm_installed() -> bool:
-    try:
-        from verl_core.rollout_vllm import import_vllm
-
-        import_vllm()
-        return True
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(not _vllm_installed(), reason="vLLM is not installed (pip install 'verl_core[vllm]')")
+@pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (pip install 'verl_core[vllm]')")
 def test_vllm_episodes_have_the_policys_logprobs_on_policy_tokens_and_greedy_equals_hf(agent_sft_path):
     """One engine (~20 s to start): sampled episodes' log-probs recomputed on the whole trajectory, and
     greedy episodes token for token those of the HF backend."""

@@ -13,6 +13,7 @@ from verl_core.forward import response_logprobs
 from verl_core.models import load_causal_lm, load_tokenizer
 from verl_core.rollout import HFRolloutBackend, SamplingParams
 from verl_core.rollout_backends import RolloutConfig, build_rollout_backend
+from verl_core.rollout_vllm import vllm_installed
 
 # Measured on a 600-step SFT model of the embedded default, fp32, 2 cores, 64 prompts x 4 samples (3.9k
 # tokens): the largest |vLLM - HF| sampled-token log-prob was 2.3e-5 at T=1 and 2.2e-5 at T=0.7 (mean
@@ -20,17 +21,7 @@ from verl_core.rollout_backends import RolloutConfig, build_rollout_backend
 LOGP_TOL = 1e-4
 
 
-def _vllm_installed() -> bool:
-    try:
-        from verl_core.rollout_vllm import import_vllm
-
-        import_vllm()
-        return True
-    except Exception:
-        return False
-
-
-needs_vllm = pytest.mark.skipif(not _vllm_installed(), reason="vLLM is not installed (pip install 'verl_core[vllm]')")
+needs_vllm = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not installed (pip install 'verl_core[vllm]')")
 
 
 def test_the_vllm_backend_without_vllm_names_the_extra(monkeypatch, tiny_path, tok):

@@ -71,27 +71,30 @@ def wrong_completion(problem: Problem, rng: random.Random, offsets: tuple[int, i
 TRAIN_SEED, EVAL_SEED, PROMPT_SEED = 1, 2, 3
 
 
-def _split(n: int, seed: int, exclude: set[str]) -> list[Problem]:
+def seeded_split(n: int, seed: int, exclude: set[str], make=None) -> list:
+    """``n`` problems drawn by ``make(rng)`` (default :func:`make_problem`) from a stream seeded ``seed``,
+    skipping questions in ``exclude``: every bundled task's train / eval / prompt splits."""
+    make = make or make_problem
     out, rng = [], random.Random(seed)
     while len(out) < n:
-        p = make_problem(rng)
+        p = make(rng)
         if p.question not in exclude:
             out.append(p)
     return out
 
 
 def eval_problems(n: int = 200) -> list[Problem]:
-    return _split(n, EVAL_SEED, set())
+    return seeded_split(n, EVAL_SEED, set())
 
 
 def train_problems(n: int = 2000) -> list[Problem]:
     held_out = {p.question for p in eval_problems()}
-    return _split(n, TRAIN_SEED, held_out)
+    return seeded_split(n, TRAIN_SEED, held_out)
 
 
 def prompt_problems(n: int = 256) -> list[Problem]:
     held_out = {p.question for p in eval_problems()}
-    return _split(n, PROMPT_SEED, held_out)
+    return seeded_split(n, PROMPT_SEED, held_out)
 
 
 def sft_rows(n: int = 2000) -> list[dict]:

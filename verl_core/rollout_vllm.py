@@ -61,6 +61,15 @@ def import_vllm():
     return vllm
 
 
+def vllm_installed() -> bool:
+    """Whether :func:`import_vllm` succeeds here (tests and benches skip vLLM cases without it)."""
+    try:
+        import_vllm()
+    except Exception:  # a broken install fails in many ways (ImportError, CUDA builds beside a CPU torch, ...)
+        return False
+    return True
+
+
 def vllm_skip_reason(model_config: Any, device: str) -> str | None:
     """Why vLLM cannot run a model of this config on ``device`` (None: it can, as far as is known here)."""
     heads = getattr(model_config, "num_attention_heads", None)

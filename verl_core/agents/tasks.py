@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 
 from verl_core.agents.environments import Environment, register_environment
-from verl_core.arithmetic import ITEMS, NAMES
+from verl_core.arithmetic import ITEMS, NAMES, seeded_split
 
 TRAIN_SEED, EVAL_SEED, PROMPT_SEED = 21, 22, 23
 
@@ -58,12 +58,7 @@ def make_problem(rng: random.Random) -> ToolProblem:
 
 
 def _split(n: int, seed: int, exclude: set[str]) -> list[ToolProblem]:
-    out, rng = [], random.Random(seed)
-    while len(out) < n:
-        p = make_problem(rng)
-        if p.question not in exclude:
-            out.append(p)
-    return out
+    return seeded_split(n, seed, exclude, make_problem)
 
 
 def eval_problems(n: int = 200) -> list[ToolProblem]:

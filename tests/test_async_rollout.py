@@ -88,6 +88,7 @@ def test_max_staleness_zero_is_the_synchronous_run_bit_for_bit(tiny_path):
     assert not any(k.startswith("async/") for r in rows0 for k in r)
 
 
+@pytest.mark.slow  # spawns rollout worker processes and trains
 @pytest.mark.parametrize("staleness,workers", [(1, 1), (2, 2)])
 def test_staleness_never_exceeds_the_bound(tiny_path, staleness, workers):
     logged = _Logged()
@@ -103,6 +104,7 @@ def test_staleness_never_exceeds_the_bound(tiny_path, staleness, workers):
     assert result.metrics["async/staleness_max"] <= staleness
 
 
+@pytest.mark.slow  # spawns rollout worker processes and trains
 def test_behaviour_logprobs_feed_tis(tiny_path):
     logged = _Logged()
     trainer = _trainer(tiny_path, [logged], async_rollout={"max_staleness": 1}, rollout_correction="tis")
@@ -112,6 +114,7 @@ def test_behaviour_logprobs_feed_tis(tiny_path):
     assert any(r["mismatch/logp_abs_diff_mean"] > 1e-4 for r in stale)  # one update behind: a real mismatch
 
 
+@pytest.mark.slow  # spawns rollout worker processes and trains
 def test_a_worker_that_dies_is_restarted(tiny_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "exit:2")  # first incarnation only
     trainer = _trainer(tiny_path, async_rollout={"max_staleness": 1, "max_restarts": 1})
@@ -120,6 +123,7 @@ def test_a_worker_that_dies_is_restarted(tiny_path, monkeypatch):
     assert result.metrics["async/restarts"] == 1
 
 
+@pytest.mark.slow  # spawns rollout worker processes and trains
 def test_a_worker_that_keeps_dying_fails_the_stage_naming_it(tiny_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "exit:0:always")
     trainer = _trainer(tiny_path, async_rollout={"max_staleness": 1, "max_restarts": 1})
@@ -135,6 +139,7 @@ def test_a_worker_error_reaches_the_trainer(tiny_path, monkeypatch):
         trainer.train()
 
 
+@pytest.mark.slow  # spawns rollout worker processes and trains
 def test_a_hanging_worker_fails_within_the_queue_timeout(tiny_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "hang:2")
     trainer = _trainer(tiny_path, async_rollout={"max_staleness": 1, "queue_timeout_s": 4})

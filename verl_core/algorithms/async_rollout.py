@@ -38,8 +38,7 @@ from typing import Any
 
 import torch
 
-from verl_core.algorithms.online_batch import prompt_seeds
-from verl_core.algorithms.sampling import step_prompt_indices
+from verl_core.algorithms.sampling import step_request
 from verl_core.config import ConfigError
 from verl_core.errors import TrainingError
 from verl_core.rollout import RolloutBatch
@@ -159,12 +158,8 @@ class AsyncRolloutBackend:
 
     def _job(self, step: int) -> tuple[int, list[list[int]], int | list[int]]:
         """The prompts and seed the synchronous loop samples at ``step`` (one process: rank 0 of 1)."""
-        t = self.trainer
-        idx = step_prompt_indices(len(t.prompts), step, t.config, 0, 1)
-        seed: int | list[int] = t.rollout_seed(step)
-        if t.config.seed_per_prompt:
-            seed = prompt_seeds(t.config.seed, step, 0, len(idx))
-        return step, [list(t.prompts[i]["prompt_ids"]) for i in idx], seed
+        examples, seed = step_request(self.trainer, step)
+        return step, [list(e["prompt_ids"]) for e in examples], seed
 
     def _submit_up_to(self, last: int) -> None:
         last = min(last, self.trainer.engine.total_steps - 1)

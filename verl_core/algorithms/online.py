@@ -49,9 +49,9 @@ from verl_core.algorithms import online_batch
 from verl_core.algorithms.agentic import evaluate_agent, online_prompts
 from verl_core.algorithms.async_rollout import build_backend
 from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
-from verl_core.algorithms.online_batch import gather_experience, gather_rows, mean_over_ranks, minibatch_share, prompt_seeds
+from verl_core.algorithms.online_batch import gather_experience, gather_rows, mean_over_ranks, minibatch_share
 from verl_core.algorithms.online_config import KLKind, OnlineConfig  # noqa: F401  (KLKind: part of this module's API)
-from verl_core.algorithms.sampling import step_prompt_indices
+from verl_core.algorithms.sampling import step_request
 from verl_core.algorithms.speed import describe, resolve_speed
 from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
@@ -265,13 +265,8 @@ class OnlineTrainer:
 
     def collect(self, step: int) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:
         """This process's prompts of ``step`` (seeded), their sampled completions, scores, reward and sampling metrics."""
-        acc = self.engine.accelerator
-        idx = step_prompt_indices(len(self.prompts), step, self.config, acc.process_index, acc.num_processes)
-        examples = [self.prompts[i] for i in idx]
+        examples, seed = step_request(self, step)
         t0 = time.perf_counter()
-        seed: int | list[int] = self.rollout_seed(step)
-        if self.config.seed_per_prompt:  # samples that do not depend on how prompts are split over processes
-            seed = prompt_seeds(self.config.seed, step, acc.process_index * len(examples), len(examples))
         rollout = self.backend.generate([e["prompt_ids"] for e in examples], self.sampling, seed=seed)
         seconds = time.perf_counter() - t0
         scores, metrics = self.score(rollout, examples)

@@ -30,6 +30,22 @@ def step_prompt_indices(n_prompts: int, step: int, c: OnlineConfig, rank: int, w
     return micro_batch_indices(n_prompts, step, c.batch_size // c.num_generations, c.seed, rank, world, 1)[0]
 
 
+def step_request(trainer: Any, step: int) -> tuple[list[dict], int | list[int]]:
+    """What ``trainer``'s process samples at ``step``: its prompts (:func:`step_prompt_indices`) and the seed
+    the backend gets for them (``trainer.rollout_seed(step)``, or with ``seed_per_prompt`` one seed per prompt
+    of the global batch, so samples do not depend on how prompts are split over processes). The synchronous
+    loop and the asynchronous rollout workers (:mod:`verl_core.algorithms.async_rollout`) both ask this."""
+    from verl_core.algorithms.online_batch import prompt_seeds
+
+    c, acc = trainer.config, trainer.engine.accelerator
+    idx = step_prompt_indices(len(trainer.prompts), step, c, acc.process_index, acc.num_processes)
+    examples = [trainer.prompts[i] for i in idx]
+    seed: int | list[int] = trainer.rollout_seed(step)
+    if c.seed_per_prompt:
+        seed = prompt_seeds(c.seed, step, acc.process_index * len(examples), len(examples))
+    return examples, seed
+
+
 def round_prompt_indices(n_prompts: int, step: int, round: int, c: OnlineConfig, rank: int, world: int) -> list[int]:
     """This process's prompts of dynamic-sampling ``round`` at ``step`` (round 0: :func:`step_prompt_indices`).
 

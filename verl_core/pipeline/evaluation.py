@@ -76,7 +76,7 @@ def _score_episodes(model, tok, rows, reward, max_new_tokens, max_prompt_length,
         backend, loop, rows, reward or "exact_match", max_new_tokens, max_prompt_length
     )
     texts = [tok.decode([t for t, m in zip(e.response, e.policy_mask) if m], skip_special_tokens=True) for e in episodes]
-    out = {"accuracy": accuracy, **{k: v for k, v in episode_metrics(episodes).items()}}
+    out = {"accuracy": accuracy, **episode_metrics(episodes)}
     return out, texts, trajectory_table(episodes, scores, tok)
 
 

@@ -63,6 +63,13 @@ def test_async_settings_are_checked():
         GRPOConfig.from_dict({"environment": "calculator_arithmetic", "async_rollout": {"max_staleness": 1}})
     with pytest.raises(ConfigError, match="max_staleness"):
         GRPOConfig.from_dict({"async_rollout": {"max_staleness": -1}})
+    # TIS needs the trainer's own old log-probs; with the behaviour ones the clipped ratio already corrects
+    assert GRPOConfig().async_rollout.old_logprobs == "behaviour"
+    with pytest.raises(ConfigError, match="rollout_correction 'tis' with async_rollout.old_logprobs 'behaviour'"):
+        GRPOConfig.from_dict({"rollout_correction": "tis", "async_rollout": {"max_staleness": 1}})
+    GRPOConfig.from_dict({"rollout_correction": "tis", "async_rollout": {"max_staleness": 1, "old_logprobs": "recompute"}})
+    with pytest.raises(ConfigError, match="old_logprobs"):
+        GRPOConfig.from_dict({"async_rollout": {"max_staleness": 1, "old_logprobs": "newest"}})
     # the pipeline section derives from the trainer config; the launcher check names the combination
     base = ["policy_optimisation.algorithm=grpo", "policy_optimisation.grpo.async_rollout.max_staleness=2"]
     assert load_pipeline_config(None, base).policy_optimisation.grpo.async_rollout.max_staleness == 2
@@ -92,22 +99,63 @@ def test_max_staleness_zero_is_the_synchronous_run_bit_for_bit(tiny_path):
 @pytest.mark.parametrize("staleness,workers", [(1, 1), (2, 2)])
 def test_staleness_never_exceeds_the_bound(tiny_path, staleness, workers):
     logged = _Logged()
-    trainer = _trainer(tiny_path, [logged], max_steps=6, async_rollout={"max_staleness": staleness, "workers": workers})
+    settings = {"max_staleness": staleness, "workers": workers, "sample_while_starting": False}  # every step from workers
+    trainer = _trainer(tiny_path, [logged], max_steps=6, async_rollout=settings)
     result = trainer.train()
     assert result.steps == 6 and trainer.engine.optimizer_steps == 6
     rows = [r for r in logged.rows if "async/staleness" in r]
-    assert len(rows) == 6
+    assert len(rows) == 6 and all(r["async/in_process_steps"] == 0 for r in rows)
     seen = [r["async/staleness"] for r in rows]
     assert all(0 <= s <= staleness for s in seen) and max(seen) == staleness  # the overlap happened
     assert rows[0]["async/staleness"] == 0  # step 0: the initial weights are version 0
-    assert all("mismatch/kl" in r for r in rows)  # behaviour log-probs travel with the batch
     assert result.metrics["async/staleness_max"] <= staleness
+    # the worker's sampled log-probs are the old ones of the ratio: at staleness 0 they are the trainer's own
+    # (the same weights; float noise only), one update behind they measurably differ (mismatch/* of the loss)
+    assert all(r["mismatch/logp_abs_diff_mean"] < 1e-4 for r in rows if r["async/staleness"] == 0)
+    assert any(r["mismatch/logp_abs_diff_mean"] > 1e-4 for r in rows if r["async/staleness"] > 0)
+
+
+@pytest.mark.slow  # spawns a rollout worker and trains
+def test_the_trainer_samples_in_process_while_the_worker_starts(tiny_path):
+    logged = _Logged()
+
+    class WaitForTheWorker(Callback):  # after step 0, wait until the worker is up: the hand-over happens at step 1
+        def on_step_end(self, step):
+            deadline = time.monotonic() + 300
+            while step == 1 and not trainer.backend._all_ready() and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    trainer = _trainer(tiny_path, [logged, WaitForTheWorker()], max_steps=5, async_rollout={"max_staleness": 1})
+    result = trainer.train()
+    assert result.steps == 5 and trainer.engine.optimizer_steps == 5
+    rows = [r for r in logged.rows if "async/staleness" in r]
+    # step 0 is sampled by the trainer (the worker was spawned a moment before), every later step by the worker
+    assert [r["async/in_process_steps"] for r in rows] == [1, 1, 1, 1, 1]
+    assert rows[0]["async/staleness"] == 0 and rows[0]["async/worker_gen_seconds"] == 0
+    assert all(r["async/worker_gen_seconds"] > 0 and 0 <= r["async/staleness"] <= 1 for r in rows[1:])
+
+
+@pytest.mark.slow  # spawns rollout workers
+def test_a_worker_that_dies_while_starting_fails_the_stage_with_the_main_guard_hint(tiny_path, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "exit:start:always")
+
+    class WaitForTheDeath(Callback):  # the trainer samples in-process meanwhile: let the worker die first
+        def on_step_end(self, step):
+            deadline = time.monotonic() + 300
+            while step == 1 and trainer.backend.workers[0].process.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    settings = {"max_staleness": 1, "max_restarts": 0}
+    trainer = _trainer(tiny_path, [WaitForTheDeath()], max_steps=4, async_rollout=settings)
+    with pytest.raises(TrainingError, match=r"rollout worker 0 exited with code 3 while starting .*__main__"):
+        trainer.train()
 
 
 @pytest.mark.slow  # spawns rollout worker processes and trains
 def test_behaviour_logprobs_feed_tis(tiny_path):
     logged = _Logged()
-    trainer = _trainer(tiny_path, [logged], async_rollout={"max_staleness": 1}, rollout_correction="tis")
+    settings = {"max_staleness": 1, "old_logprobs": "recompute", "sample_while_starting": False}
+    trainer = _trainer(tiny_path, [logged], async_rollout=settings, rollout_correction="tis")
     trainer.train()
     stale = [r for r in logged.rows if r.get("async/staleness") == 1]
     assert stale and all(0 < r["mismatch/tis_weight_mean"] <= 2.0 for r in stale)
@@ -117,7 +165,7 @@ def test_behaviour_logprobs_feed_tis(tiny_path):
 @pytest.mark.slow  # spawns rollout worker processes and trains
 def test_a_worker_that_dies_is_restarted(tiny_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "exit:2")  # first incarnation only
-    trainer = _trainer(tiny_path, async_rollout={"max_staleness": 1, "max_restarts": 1})
+    trainer = _trainer(tiny_path, async_rollout={"max_staleness": 1, "sample_while_starting": False, "max_restarts": 1})
     result = trainer.train()
     assert result.steps == 4 and trainer.engine.optimizer_steps == 4
     assert result.metrics["async/restarts"] == 1
@@ -126,7 +174,7 @@ def test_a_worker_that_dies_is_restarted(tiny_path, monkeypatch):
 @pytest.mark.slow  # spawns rollout worker processes and trains
 def test_a_worker_that_keeps_dying_fails_the_stage_naming_it(tiny_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "exit:0:always")
-    trainer = _trainer(tiny_path, async_rollout={"max_staleness": 1, "max_restarts": 1})
+    trainer = _trainer(tiny_path, async_rollout={"max_staleness": 1, "sample_while_starting": False, "max_restarts": 1})
     with pytest.raises(TrainingError, match=r"rollout worker 0 exited with code 3 at step 0, after 1 restarts"):
         trainer.train()
 
@@ -134,7 +182,7 @@ def test_a_worker_that_keeps_dying_fails_the_stage_naming_it(tiny_path, monkeypa
 @pytest.mark.exhaustive
 def test_a_worker_error_reaches_the_trainer(tiny_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "raise:0:always")
-    trainer = _trainer(tiny_path, async_rollout={"max_staleness": 1, "max_restarts": 0})
+    trainer = _trainer(tiny_path, async_rollout={"max_staleness": 1, "sample_while_starting": False, "max_restarts": 0})
     with pytest.raises(TrainingError, match=r"rollout worker 0 failed \(exit code 1\).*injected rollout worker fault"):
         trainer.train()
 
@@ -142,7 +190,7 @@ def test_a_worker_error_reaches_the_trainer(tiny_path, monkeypatch):
 @pytest.mark.slow  # spawns rollout worker processes and trains
 def test_a_hanging_worker_fails_within_the_queue_timeout(tiny_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "hang:2")
-    trainer = _trainer(tiny_path, async_rollout={"max_staleness": 1, "queue_timeout_s": 4})
+    trainer = _trainer(tiny_path, async_rollout={"max_staleness": 1, "sample_while_starting": False, "queue_timeout_s": 4})
     t0 = time.monotonic()
     with pytest.raises(TrainingError, match=r"no batch for step 2 within async_rollout.queue_timeout_s=4s"):
         trainer.train()

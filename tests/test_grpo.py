@@ -187,6 +187,7 @@ def test_loss_units_make_micro_batches_add_up_to_the_batch_loss(agg):
             ),
             extra_loss=lambda values, mb: (0.0, {}),
             kl_ctl=FixedKLController(0.0),
+            behaviour_is_old=False,
         )
         whole = OnlineTrainer.loss(fake, None, batch)
         parts = [OnlineTrainer.loss(fake, None, {k: x[s] for k, x in batch.items()}) for s in (slice(0, 2), slice(2, 6))]

@@ -21,8 +21,8 @@ worker's side; it holds no trainer state:
   sampler running.
 
 ``VERL_CORE_ROLLOUT_WORKER_FAULT`` (``exit:STEP``, ``raise:STEP``, ``hang:STEP``, optionally
-``:always``) injects a failure when the worker takes ``STEP``'s job, in its first incarnation
-only unless ``always``: the tests' hook for worker death and hangs.
+``:always``) injects a failure when the worker takes ``STEP``'s job (``STEP`` = ``start``: before
+it is ready), in its first incarnation only unless ``always``: the tests' hook for worker death and hangs.
 """
 
 from __future__ import annotations
@@ -119,14 +119,16 @@ def _parent_alive() -> bool:
     return parent is None or parent.is_alive()
 
 
-def _fault(step: int, incarnation: int) -> None:
+def _fault(step: int | str, incarnation: int, results) -> None:
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
         return
     kind, at, *always = spec.split(":")
-    if int(at) != step or (incarnation > 0 and not always):
+    if at != str(step) or (incarnation > 0 and not always):
         return
     if kind == "exit":
+        results.close()  # what was sent reaches the trainer (a real crash mid-job also comes after "ready")
+        results.join_thread()
         os._exit(3)
     if kind == "raise":
         raise RuntimeError(f"injected rollout worker fault at step {step}")
@@ -161,13 +163,14 @@ def worker_main(index: int, incarnation: int, spec: WorkerSpec, jobs, results) -
 
         from verl_core.rollout_backends import build_rollout_backend
 
+        _fault("start", incarnation, results)
         store = WeightStore(spec.weights_dir)
         model = AutoModelForCausalLM.from_config(spec.model_config, dtype=spec.dtype).eval().requires_grad_(False)
         results.put(("ready", os.getpid()))  # the trainer's queue timeout restarts: building the copy is not sampling
         backend, held = None, -1
         while (job := _next_job(jobs)) is not None:
             step, prompt_ids, seed = job
-            _fault(step, incarnation)
+            _fault(step, incarnation, results)
             version = _wait_for_version(store, step - spec.max_staleness)
             while version > held:
                 state = store.load(version)

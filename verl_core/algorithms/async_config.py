@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -21,6 +21,17 @@ class AsyncRolloutConfig(StrictConfig):
     max_restarts: int = Field(2, ge=0, description="restarts of a worker that died, per worker, before the stage fails")
     worker_threads: int = Field(1, ge=1, description="torch threads of each worker")
     trainer_threads: int | None = Field(1, ge=1, description="torch threads of the trainer while workers run (null: unchanged)")
+    old_logprobs: Literal["behaviour", "recompute"] = Field(
+        "behaviour",
+        description="the old log-probs of the clipped ratio: the worker's sampled ones (behaviour: the ratio is "
+        "pi_theta / pi_behaviour, no extra forward pass) or recomputed by the trainer (AReaL's decoupled proximal "
+        "policy; needed by rollout_correction: tis)",
+    )
+    sample_while_starting: bool = Field(
+        True,
+        description="the trainer samples in-process (staleness 0) until every worker has built its copy, so the "
+        "workers' start-up overlaps training (hf rollouts only)",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -41,4 +52,10 @@ def check_async_config(c: Any) -> None:
         raise ValueError(
             f"async_rollout.max_staleness > 0 with environment {c.environment!r}: multi-turn episodes sample in the "
             "trainer's process; set async_rollout.max_staleness: 0"
+        )
+    if c.rollout_correction != "none" and a.old_logprobs == "behaviour":
+        raise ValueError(
+            f"rollout_correction {c.rollout_correction!r} with async_rollout.old_logprobs 'behaviour': the clipped "
+            "ratio is already taken against the behaviour policy, and the correction needs the trainer's own old "
+            "log-probs; set async_rollout.old_logprobs: recompute or rollout_correction: none"
         )

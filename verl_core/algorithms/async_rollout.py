@@ -9,13 +9,21 @@ step ``s``: verl's one-step-off-policy recipe; larger bounds are AReaL's stalene
 asynchronous RL (Fu et al. 2025, arXiv:2505.24298, Sec. 4). ``max_staleness = 0`` (the default)
 starts nothing: the trainer builds its usual in-process backend, today's loop bit for bit.
 
-Correctness with staleness > 0: the batch is off-policy by up to ``max_staleness`` updates. The
-trainer recomputes the old log-probs with its current weights (the ratio of the clipped surrogate
-is then taken against those, AReaL's decoupled "proximal" policy) and keeps the worker's sampled
-log-probs as the behaviour policy (``rollout_logp``), exactly the path of a vLLM sampler
-(:func:`~verl_core.losses.correction.correct_rollout_mismatch`): ``mismatch/*`` measure how far the
-behaviour policy is, and ``rollout_correction: tis`` reweights each token by the truncated
-importance ratio ``min(pi_train / pi_behaviour, tis_cap)``.
+Correctness with staleness > 0: the batch is off-policy by up to ``max_staleness`` updates. By
+default (``old_logprobs: behaviour``) the worker's sampled log-probs are the old log-probs of the
+clipped surrogate, so its ratio is ``pi_theta / pi_behaviour``: PPO's own importance ratio
+against the policy that actually sampled the batch (Schulman et al. 2017, arXiv:1707.06347, Eq. 7),
+clipped to ``1 +- clip_range``; no extra forward pass, and the loss logs ``mismatch/*`` between
+``pi_theta`` and the behaviour policy. ``old_logprobs: recompute`` has the trainer recompute them with
+its current weights (AReaL's decoupled "proximal" policy) and keeps the worker's as the behaviour
+policy (``rollout_logp``), exactly the path of a vLLM sampler
+(:func:`~verl_core.losses.correction.correct_rollout_mismatch`), where ``rollout_correction: tis``
+reweights each token by the truncated importance ratio ``min(pi_train / pi_behaviour, tis_cap)``.
+
+Start-up: spawning a worker costs seconds (imports, building its copy). With
+``sample_while_starting`` (the default, HF rollouts) the trainer samples each step itself, with its
+current weights (staleness 0), until every worker is ready, then hands the next steps to them: the
+start-up overlaps training instead of stalling it.
 
 :class:`AsyncRolloutBackend` is what the trainer sees: a :class:`~verl_core.rollout.RolloutBackend`
 whose ``generate`` returns the queued batch of the engine's current step (checked against the
@@ -65,11 +73,12 @@ def build_backend(trainer: Any, lm: torch.nn.Module, autocast: torch.dtype | Non
 
 class _Worker:
     def __init__(self, index: int):
-        self.index, self.incarnation, self.restarts, self.ready = index, -1, 0, False
+        self.index, self.incarnation, self.restarts, self.ready, self.spawned_at = index, -1, 0, False, 0.0
         self.process: Any = None
         self.jobs: Any = None
         self.results: Any = None
         self.pending: collections.deque = collections.deque()  # jobs sent, batch not yet received
+        self.inbox: collections.deque = collections.deque()  # messages read while only looking for "ready"
 
 
 class AsyncRolloutBackend:
@@ -97,12 +106,23 @@ class AsyncRolloutBackend:
         self.last: dict[str, float] = {}
         self.max_seen = 0
         self.threads_before = torch.get_num_threads()
+        self.behaviour_is_old = self.settings.old_logprobs == "behaviour"
+        # while the workers start, the trainer samples in-process from its own module (HF only: a second
+        # vLLM engine in the trainer would cost the memory and compile time the workers are there to take)
+        self.local = None
+        if self.settings.sample_while_starting and c.rollout.backend == "hf":
+            self.local = build_rollout_backend(c.rollout, lm, trainer.policy.tokenizer, autocast, 1)
+        self.in_process_steps = 0
 
     # -- the RolloutBackend protocol ---------------------------------------------------------
     def generate(self, prompt_ids, params, seed) -> RolloutBatch:
         step = self.trainer.engine.step
         if self.step is None:
             self._start(step)
+        if self.next_job <= step:  # nothing was sent for this step: the workers were still starting
+            if self.local is not None and not self._all_ready() and self._starting_normally():
+                return self._generate_in_process(step, prompt_ids, params, seed)
+            self._submit_up_to(step + self.settings.max_staleness)
         w = self.workers[step % len(self.workers)]
         t0 = time.perf_counter()
         got, version, payload, gen_seconds = self._receive(w, step)
@@ -123,15 +143,38 @@ class AsyncRolloutBackend:
             "async/queue_wait_s": time.perf_counter() - t0,
             "async/worker_gen_seconds": gen_seconds,
             "async/restarts": float(sum(x.restarts for x in self.workers)),
+            "async/in_process_steps": float(self.in_process_steps),
         }
         return batch_from_bytes(payload)
+
+    def _generate_in_process(self, step: int, prompt_ids, params, seed) -> RolloutBatch:
+        """Step ``step`` sampled by the trainer with its current weights (staleness 0); once every worker is
+        ready, the steps up to ``step + max_staleness`` go to them, so the next one is sampled meanwhile."""
+        t0 = time.perf_counter()
+        batch = self.local.generate(prompt_ids, params, seed=seed)
+        self.step, self.next_job = step, step + 1
+        self.in_process_steps += 1
+        self.last = {
+            "async/staleness": 0.0,
+            "async/staleness_max": float(self.max_seen),
+            "async/policy_version": float(step),
+            "async/queue_wait_s": 0.0,
+            "async/worker_gen_seconds": 0.0,
+            "async/restarts": float(sum(x.restarts for x in self.workers)),
+            "async/in_process_steps": float(self.in_process_steps),
+            "async/in_process_gen_seconds": time.perf_counter() - t0,
+        }
+        if self._all_ready():
+            self._submit_up_to(step + self.settings.max_staleness)
+        return batch
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """After the update of step ``s``: publish version ``s + 1``, send the jobs it unlocks."""
         if self.step is None:
             return
         self.store.publish(self.step + 1, model)
-        self._submit_up_to(self.step + 1 + self.settings.max_staleness)
+        if self.local is None or self._all_ready():
+            self._submit_up_to(self.step + 1 + self.settings.max_staleness)
 
     def metrics(self) -> dict[str, float]:
         return dict(self.last)
@@ -140,8 +183,8 @@ class AsyncRolloutBackend:
         return [w.process.pid for w in self.workers if w.process is not None]
 
     def close(self) -> None:
-        for w in self.workers:
-            self._stop(w, graceful=True)
+        for w in self.workers:  # a worker holds nothing worth a graceful exit: stop them all at once
+            self._stop(w)
         self.store.remove()
         if self.settings.trainer_threads is not None:
             torch.set_num_threads(self.threads_before)
@@ -154,7 +197,28 @@ class AsyncRolloutBackend:
         self.next_job = step
         for w in self.workers:
             self._spawn(w)
-        self._submit_up_to(step + self.settings.max_staleness)
+        if self.local is None:
+            self._submit_up_to(step + self.settings.max_staleness)
+
+    def _starting_normally(self) -> bool:
+        """No worker died or overran ``startup_timeout_s`` while starting (else :meth:`_receive` restarts or fails)."""
+        limit = self.settings.startup_timeout_s
+        return all(w.ready or (w.process.is_alive() and time.monotonic() - w.spawned_at < limit) for w in self.workers)
+
+    def _all_ready(self) -> bool:
+        """Whether every worker has built its copy (reads the "ready" messages that arrived, without waiting)."""
+        for w in self.workers:
+            while not w.ready:
+                try:
+                    msg = w.results.get_nowait()
+                except queue.Empty:
+                    break
+                if msg[0] == "ready":
+                    w.ready = True
+                else:  # a batch or an error: _receive deals with it in order
+                    w.inbox.append(msg)
+                    break
+        return all(w.ready for w in self.workers)
 
     def _job(self, step: int) -> tuple[int, list[list[int]], int | list[int]]:
         """The prompts and seed the synchronous loop samples at ``step`` (one process: rank 0 of 1)."""
@@ -172,7 +236,8 @@ class AsyncRolloutBackend:
 
     def _spawn(self, w: _Worker) -> None:
         w.incarnation += 1
-        w.ready = False
+        w.ready, w.spawned_at = False, time.monotonic()
+        w.inbox.clear()
         w.jobs, w.results = self.ctx.Queue(), self.ctx.Queue()
         w.process = self.ctx.Process(
             target=worker_main,
@@ -209,7 +274,7 @@ class AsyncRolloutBackend:
         deadline = time.monotonic() + (timeout if w.ready else max(timeout, startup))
         while True:
             try:
-                msg = w.results.get(timeout=max(0.01, min(0.5, deadline - time.monotonic())))
+                msg = w.inbox.popleft() if w.inbox else w.results.get(timeout=max(0.01, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
                 msg = None
             if msg is not None and msg[0] == "batch":
@@ -237,6 +302,11 @@ class AsyncRolloutBackend:
             if msg is None:
                 w.process.join(timeout=5)
                 why = f"exited with code {w.process.exitcode}"
+                if not w.ready:  # spawn runs the parent's main module first: an unguarded script starts training again
+                    why += (
+                        " while starting (before it reported ready; its stderr says why: a script that trains "
+                        'must start training under `if __name__ == "__main__":`, since a worker imports the main module)'
+                    )
             else:
                 w.process.join(timeout=5)
                 why = f"failed (exit code {w.process.exitcode}): {msg[1].strip().splitlines()[-1]}"

@@ -24,7 +24,8 @@ Log-probs in training are ``log softmax(z / T)`` at the sampling temperature ``T
 distribution the rollout sampled from. Old log-probs are recomputed with a training-layout
 forward pass (not taken from the sampler) so that the first mini-batch has ratio 1 up to float
 noise, also under mixed precision; when there is exactly one update per rollout (one epoch, one
-mini-batch) the update is on-policy and ``old = logp.detach()`` saves that pass.
+mini-batch) the update is on-policy and ``old = logp.detach()`` saves that pass. Stale batches from
+rollout workers bring their own old log-probs (``async_rollout.old_logprobs``, :mod:`.async_rollout`).
 
 The KL to the frozen reference is estimated per token with ``kl_penalty(kind=kl_estimator)`` and
 either subtracted from the reward (``kl_in="reward"``: ``r_t -= beta * kl_t``, Ziegler et al.) or
@@ -58,7 +59,7 @@ from verl_core.config import ConfigError
 from verl_core.engine import Engine, LossOutput, TrainResult
 from verl_core.forward import response_logprobs
 from verl_core.losses.advantages import outcome_token_rewards
-from verl_core.losses.correction import correct_rollout_mismatch
+from verl_core.losses.correction import correct_rollout_mismatch, rollout_mismatch
 from verl_core.losses.masked import masked_mean
 from verl_core.losses.policy import POLICY_LOSSES, AdaptiveKLController, FixedKLController, aggregate, kl_penalty, kl_summary
 from verl_core.models import save_pretrained_atomic
@@ -78,6 +79,7 @@ class OnlineTrainer:
     config_cls: ClassVar[type[OnlineConfig]] = OnlineConfig
     default_rules: ClassVar[dict[str, float]] = {"exact_match": 1.0}
     needs_values: ClassVar[bool] = False
+    behaviour_is_old = False  # the sampler's log-probs are the old ones (rollout workers, old_logprobs: behaviour)
 
     def __init__(
         self,
@@ -196,6 +198,7 @@ class OnlineTrainer:
         owned = None  # an engine this run starts is closed when it ends
         if self.backend is None:  # async_rollout.max_staleness > 0: worker processes (.async_rollout), else in-process
             self.backend = owned = build_backend(self, lm, AUTOCAST_DTYPES.get(c.mixed_precision))
+        self.behaviour_is_old = bool(getattr(self.backend, "behaviour_is_old", False))
         if self.agent is not None and not isinstance(self.backend, EpisodeSampler):
             self.backend = EpisodeSampler(self.backend, self.agent)  # the turn loop around any backend
         if engine.is_main:
@@ -251,16 +254,14 @@ class OnlineTrainer:
         self.backend.sync_weights(self.policy_lm(engine.unwrapped))
         lengths = exp["response_mask"].sum(-1).float()
         metrics.update({k: sum(u[k] for u in updates) / len(updates) for k in updates[0]})
-        metrics.update(
-            {
-                "response_length/mean": lengths.mean().item(),
-                "response_length/max": lengths.max().item(),
-                "response/eos_fraction": finished.float().mean().item(),
-                "kl_coef": self.kl_ctl.value,
-                "perf/train_seconds": train_seconds,
-                "perf/train_tokens_per_s": c.ppo_epochs * exp["attention_mask"].sum().item() / max(train_seconds, 1e-9),
-            }
-        )
+        metrics |= {
+            "response_length/mean": lengths.mean().item(),
+            "response_length/max": lengths.max().item(),
+            "response/eos_fraction": finished.float().mean().item(),
+            "kl_coef": self.kl_ctl.value,
+            "perf/train_seconds": train_seconds,
+            "perf/train_tokens_per_s": c.ppo_epochs * exp["attention_mask"].sum().item() / max(train_seconds, 1e-9),
+        }
         return metrics
 
     def collect(self, step: int) -> tuple[RolloutBatch, torch.Tensor, dict[str, float]]:
@@ -303,14 +304,15 @@ class OnlineTrainer:
         """Training tensors of one rollout: layout, old/reference log-probs, values, per-token KL."""
         c, acc = self.config, self.engine.accelerator
         exp = {k: v.to(acc.device) for k, v in rollout.training_inputs().items()}
-        off_policy = self.updates_per_step > 1
+        off_policy = self.updates_per_step > 1 or self.behaviour_is_old
         need_old = off_policy or self.needs_values or (self.reference is not None and c.kl_in == "reward")
         need_old = need_old or self.measures_mismatch
+        forward = self.needs_values or (need_old and not self.behaviour_is_old)
         chunk = max(1, self.mini_batch_size // (acc.num_processes * c.gradient_accumulation_steps))
         old, values, ref = [], [], []
         for s in range(0, len(rollout), chunk):
             mb = {k: v[s : s + chunk] for k, v in exp.items()}
-            if need_old:
+            if forward:
                 self.engine.model.eval()
                 logp, _, v = self.policy_outputs(self.engine.model, mb)
                 old.append(logp)
@@ -320,10 +322,11 @@ class OnlineTrainer:
                 with acc.autocast():
                     ref.append(self.response_logprobs(self.reference, mb)[0])
         mask = exp["response_mask"].bool()
-        if need_old:
-            exp["old_logp"] = torch.where(mask, torch.cat(old), 0.0)
+        behaviour = torch.where(mask, rollout.logprobs.to(acc.device).float(), 0.0)  # the sampler's
+        if need_old:  # stale batches from rollout workers: the ratio may be taken against the sampler
+            exp["old_logp"] = behaviour if self.behaviour_is_old else torch.where(mask, torch.cat(old), 0.0)
         if self.measures_mismatch:
-            exp["rollout_logp"] = torch.where(mask, rollout.logprobs.to(acc.device).float(), 0.0)
+            exp["rollout_logp"] = behaviour
         if values:
             exp["values"] = torch.where(mask, torch.cat(values), 0.0)
         if ref:
@@ -337,7 +340,8 @@ class OnlineTrainer:
         """Whether old log-probs are recomputed to compare with the sampler's: a sampler other than the
         training model itself (vLLM), or a correction asked for."""
         sampler = self.backend.inner if isinstance(self.backend, EpisodeSampler) else self.backend
-        return not isinstance(sampler, HFRolloutBackend) or self.config.rollout_correction != "none"
+        other = not isinstance(sampler, HFRolloutBackend) or self.config.rollout_correction != "none"
+        return other and not self.behaviour_is_old  # (with the behaviour's, the loss logs mismatch/*)
 
     def update(self, exp: dict[str, torch.Tensor], step: int) -> list[dict[str, float]]:
         """``ppo_epochs`` seeded passes over shuffled mini-batches of the global batch ``exp`` (this
@@ -380,6 +384,8 @@ class OnlineTrainer:
             "policy/ratio_dev_mean": masked_mean(ratio_dev, mask).item(),
             "policy/ratio_dev_max": ratio_dev.max().item(),
         }
+        if self.behaviour_is_old:  # how far the updated policy is from the (stale) sampler, per update
+            metrics.update(rollout_mismatch(logp.detach(), old, mask))
         if "ref_logp" in mb and c.kl_in == "loss":
             kl = aggregate(kl_penalty(logp, mb["ref_logp"], c.kl_estimator), mask, c.aggregation, norm)
             total = total + self.kl_ctl.value * kl

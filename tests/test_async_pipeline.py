@@ -1,0 +1,55 @@
+"""Asynchronous RL as a pipeline setting: the GRPO stage with rollout workers runs through the Prefect flow
+under the torchrun launcher, MLflow holds its async/* metrics, and a rerun of the same config is cached."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verl_core.pipeline import load_pipeline_config
+
+SHORT = [
+    "sft.max_steps=3",
+    "sft.data.limit=64",
+    "policy_optimisation.algorithm=grpo",
+    "policy_optimisation.grpo.max_steps=3",
+    "policy_optimisation.grpo.batch_size=8",
+    "policy_optimisation.grpo.mini_batch_size=8",
+    "policy_optimisation.grpo.num_generations=4",
+    "policy_optimisation.grpo.max_new_tokens=8",
+    # every step from the worker (not sampled in-process while it starts): the metrics below are the worker's
+    "policy_optimisation.grpo.async_rollout={max_staleness: 1, sample_while_starting: false}",
+    "policy_optimisation.launcher={kind: torchrun, num_processes: 1}",
+    "evaluation.num_rows=4",
+    "evaluation.max_new_tokens=8",
+    "evaluation.include_base=false",
+]
+
+
+@pytest.mark.slow
+def test_async_grpo_runs_in_the_flow_under_torchrun_tracked_in_mlflow_and_reruns_cached(prefect_harness, tmp_path):
+    from mlflow import MlflowClient
+
+    from flows import rlhf_pipeline
+
+    where = [f"workdir={tmp_path / 'work'}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}"]
+    config = load_pipeline_config(None, [*where, *SHORT])
+    result = rlhf_pipeline(config)
+    assert {result.states[s] for s in ("sft", "policy_optimisation", "evaluation")} == {"Completed"}
+    history = json.loads(Path(result.records["policy_optimisation"].extra["history"]).read_text())
+    staleness = [value for _, value in history["async/staleness"]]  # (step, value) per logged step
+    assert len(staleness) == 3 and all(0 <= s <= 1 for s in staleness)
+    assert max(staleness) == 1 and "mismatch/kl" in history  # overlapped; pi_theta against the behaviour policy
+
+    client = MlflowClient(tracking_uri=config.tracking.uri)
+    exp = client.get_experiment_by_name(config.tracking.experiment)
+    stage_runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{result.mlflow_run_id}'")
+    runs = {r.data.tags["verl_core.stage"]: r for r in stage_runs}
+    assert runs["policy_optimisation"].info.status == "FINISHED"
+    logged = client.get_metric_history(runs["policy_optimisation"].info.run_id, "async/staleness")
+    assert [m.step for m in logged] == [1, 2, 3]
+
+    again = rlhf_pipeline(config)
+    assert {again.states[s] for s in ("sft", "policy_optimisation", "evaluation")} == {"Cached"}

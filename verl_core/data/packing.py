@@ -7,11 +7,14 @@ sequence, and attention is block-diagonal and causal: a token sees the earlier
 tokens of its own unit's prompt and of its own branch, nothing else. So
 
 - SFT: one branch per unit, ``prompt + completion`` exactly as in the padded layout;
-- pairs (DPO, reward model) and KTO with ``share_prompt=True``: ONE copy of the prompt,
-  then chosen, then rejected (KTO: completion, then the KL completion). The rejected
-  tokens take positions ``len(prompt)..`` again and do not see the chosen ones, so
-  each completion is scored exactly as in its own padded row while the prompt is
-  computed once (prefix sharing).
+- pairs (DPO, reward model) and KTO with ``share_prompt=True``: ONE copy of the prompt
+  and of the completions' common beginning, then the rest of chosen, then the rest of
+  rejected (KTO: completion, then the KL completion). The rejected tokens take the
+  positions after the shared part again and do not see the chosen ones, so each
+  completion is scored exactly as in its own padded row while the shared prefix is
+  computed once (prefix sharing). Completions often share their first tokens (answers
+  that differ in the final number, pairs sampled from one policy): those are computed
+  once and their log-probs count in both sequences (``loss_mask`` is 1 there for both).
 
 Two prompts ``[5, 6]`` / ``[5]`` with completions ``[7, 2]`` / ``[8, 9, 2]``
 (:func:`collate_packed_sft`, pad 0) give::
@@ -76,7 +79,9 @@ def collate_packed(
 
     Logical sequence ``s = k * B + i`` is ``prompts[i] + completions[k][i]`` (the row order of
     :func:`~verl_core.data.collate_pairs`: all first completions, then all second ones).
-    With ``share_prompt=False`` every logical sequence is its own unit (no prefix sharing).
+    With ``share_prompt=True`` the completions' longest common prefix joins the shared prompt
+    (its tokens stay in every sequence's ``loss_mask``); with ``False`` every logical sequence
+    is its own unit (no prefix sharing).
     ``row_capacity`` (tokens) bounds a packed row: units are placed first-fit, longest first,
     and a unit longer than the capacity gets a row of its own; ``None`` packs one row;
     ``"longest"`` uses the longest unit of the batch, so no row attends over more tokens than
@@ -90,10 +95,12 @@ def collate_packed(
         raise ValueError("every completions[k] needs one entry per prompt")
     # Units as (prompt, [branch, ...], [logical sequence index per branch]).
     if share_prompt:
-        units = [
-            (list(prompts[i]), [list(completions[k][i]) for k in range(n_branches)], [k * n_units + i for k in range(n_branches)])
-            for i in range(n_units)
-        ]
+        units = []
+        for i in range(n_units):
+            branches = [list(completions[k][i]) for k in range(n_branches)]
+            common = _common_prefix_length(branches)
+            shared = list(prompts[i]) + branches[0][:common]
+            units.append((shared, [b[common:] for b in branches], [k * n_units + i for k in range(n_branches)], len(prompts[i])))
     else:
         units = [
             (list(prompts[i]), [list(completions[k][i])], [k * n_units + i]) for k in range(n_branches) for i in range(n_units)
@@ -104,13 +111,27 @@ def collate_packed(
     return batch
 
 
-Unit = tuple  # (prompt ids, [completion ids per branch], [logical sequence index per branch])
+Unit = tuple  # (shared ids, [completion ids per branch], [logical sequence index per branch][, prompt length])
+
+
+def _common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
+    """Length of the longest prefix every sequence starts with (0 for one sequence: nothing to share)."""
+    if len(sequences) < 2:
+        return 0
+    n = 0
+    for tokens in zip(*sequences):
+        if any(t != tokens[0] for t in tokens[1:]):
+            break
+        n += 1
+    return n
 
 
 def pack_units(units: Sequence[Unit], n_seq: int, pad_id: int, row_capacity: RowCapacity = None) -> dict[str, torch.Tensor]:
     """The packed batch of ``units`` (see :func:`collate_packed` for ``row_capacity``); every
-    logical sequence ``0..n_seq-1`` must be a branch of exactly one unit."""
-    sizes = [len(p) + sum(len(b) for b in bs) for p, bs, _ in units]
+    logical sequence ``0..n_seq-1`` must be a branch of exactly one unit. A unit's optional fourth
+    entry is its prompt's length when the shared part also holds completion tokens (those are in
+    every branch's ``loss_mask``)."""
+    sizes = [len(u[0]) + sum(len(b) for b in u[1]) for u in units]
     if row_capacity == "longest":
         row_capacity = max(sizes)
     elif isinstance(row_capacity, str):
@@ -136,8 +157,9 @@ def pack_units(units: Sequence[Unit], n_seq: int, pad_id: int, row_capacity: Row
     for r, members in enumerate(rows):
         at = 0
         for unit_no, u in enumerate(sorted(members), start=1):
-            prompt, branches, seq_ids = units[u]
+            prompt, branches, seq_ids = units[u][:3]
             p = len(prompt)
+            prompt_len = units[u][3] if len(units[u]) > 3 else p
             ids[r, at : at + p] = torch.as_tensor(prompt, dtype=torch.long)
             pos[r, at : at + p] = torch.arange(p)
             seg[r, at : at + p] = unit_no
@@ -150,7 +172,7 @@ def pack_units(units: Sequence[Unit], n_seq: int, pad_id: int, row_capacity: Row
                 seg[r, at : at + c] = unit_no
                 branch[r, at : at + c] = k
                 logical[s] = prompt_flat + list(range(r * width + at, r * width + at + c))
-                loss[s] = [0] * p + [1] * c
+                loss[s] = [0] * prompt_len + [1] * (p - prompt_len + c)
                 at += c
     length = max(len(x) for x in logical)
     index = torch.full((n_seq, length), -1, dtype=torch.long)

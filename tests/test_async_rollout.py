@@ -73,8 +73,9 @@ def test_async_settings_are_checked():
     # the pipeline section derives from the trainer config; the launcher check names the combination
     base = ["policy_optimisation.algorithm=grpo", "policy_optimisation.grpo.async_rollout.max_staleness=2"]
     assert load_pipeline_config(None, base).policy_optimisation.grpo.async_rollout.max_staleness == 2
-    with pytest.raises(ConfigError, match=r"async_rollout.max_staleness > 0 with launcher.kind 'ray'"):
-        load_pipeline_config(None, [*base, "launcher.kind=ray"])
+    load_pipeline_config(None, [*base, "launcher={kind: ray, num_processes: 1}"])  # the workers: Ray actors
+    with pytest.raises(ConfigError, match=r"async_rollout.max_staleness > 0 with launcher.kind 'ray' and 2 process"):
+        load_pipeline_config(None, [*base, "launcher={kind: ray, num_processes: 2}"])
     with pytest.raises(ConfigError, match=r"launcher.kind 'torchrun' and 2 process"):
         load_pipeline_config(None, [*base, "policy_optimisation.launcher={kind: torchrun, num_processes: 2}"])
 
@@ -142,7 +143,7 @@ def test_a_worker_that_dies_while_starting_fails_the_stage_with_the_main_guard_h
     class WaitForTheDeath(Callback):  # the trainer samples in-process meanwhile: let the worker die first
         def on_step_end(self, step):
             deadline = time.monotonic() + 300
-            while step == 1 and trainer.backend.workers[0].process.is_alive() and time.monotonic() < deadline:
+            while step == 1 and trainer.backend.workers[0].handle.alive() and time.monotonic() < deadline:
                 time.sleep(0.1)
 
     settings = {"max_staleness": 1, "max_restarts": 0}
@@ -183,7 +184,7 @@ def test_a_worker_that_keeps_dying_fails_the_stage_naming_it(tiny_path, monkeypa
 def test_a_worker_error_reaches_the_trainer(tiny_path, monkeypatch):
     monkeypatch.setenv(FAULT_ENV, "raise:0:always")
     trainer = _trainer(tiny_path, async_rollout={"max_staleness": 1, "sample_while_starting": False, "max_restarts": 0})
-    with pytest.raises(TrainingError, match=r"rollout worker 0 failed \(exit code 1\).*injected rollout worker fault"):
+    with pytest.raises(TrainingError, match=r"rollout worker 0 failed \(exited with code 1\).*injected rollout worker fault"):
         trainer.train()
 
 

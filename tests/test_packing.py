@@ -119,9 +119,13 @@ def test_packed_dpo_pair_logps_and_loss_equal_padded(tiny_path, tok, pair_exampl
     packed = packing.collate_packed_pairs(pair_examples, tok.pad_token_id, share_prompt=share_prompt, row_capacity=150)
     if share_prompt:  # the prompt and the completions' common beginning are computed once per pair
         stats = packing.packing_stats(packed)
-        common = [next((i for i, (a, b) in enumerate(zip(e["chosen_ids"], e["rejected_ids"])) if a != b), 0) for e in pair_examples]
+        common = [
+            next((i for i, (a, b) in enumerate(zip(e["chosen_ids"], e["rejected_ids"])) if a != b), 0) for e in pair_examples
+        ]
         assert sum(common) > 0  # " 8 + 3 = 11" vs " 8 + 3 = 20": these pairs share their first tokens
-        assert stats["computed_tokens"] == stats["logical_tokens"] - sum(len(e["prompt_ids"]) + c for e, c in zip(pair_examples, common))
+        assert stats["computed_tokens"] == stats["logical_tokens"] - sum(
+            len(e["prompt_ids"]) + c for e, c in zip(pair_examples, common)
+        )
     with torch.no_grad():
         ref = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"]) - 0.5
     s_pad = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"])

@@ -127,8 +127,9 @@ def _fault(step: int | str, incarnation: int, results) -> None:
     if at != str(step) or (incarnation > 0 and not always):
         return
     if kind == "exit":
-        results.close()  # what was sent reaches the trainer (a real crash mid-job also comes after "ready")
-        results.join_thread()
+        if results is not None:  # what was sent reaches the trainer (a real crash mid-job also comes after "ready")
+            results.close()
+            results.join_thread()
         os._exit(3)
     if kind == "raise":
         raise RuntimeError(f"injected rollout worker fault at step {step}")
@@ -155,39 +156,100 @@ def _wait_for_version(store: WeightStore, need: int) -> int:
     return version
 
 
+class PolicyCopy:
+    """A worker's own model and sampler; :meth:`load` brings them to a newer weights version."""
+
+    def __init__(self, spec: WorkerSpec):
+        from transformers import AutoModelForCausalLM
+
+        self.spec = spec
+        self.model = AutoModelForCausalLM.from_config(spec.model_config, dtype=spec.dtype).eval().requires_grad_(False)
+        self.backend: Any = None
+        self.held = -1  # the version the model holds
+
+    def load(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        from verl_core.rollout_backends import build_rollout_backend
+
+        self.model.load_state_dict(state)
+        self.held = version
+        if self.backend is None:
+            self.backend = build_rollout_backend(self.spec.rollout, self.model, self.spec.tokenizer, self.spec.autocast_dtype)
+        else:
+            self.backend.sync_weights(self.model)
+
+    def sample(self, step: int, prompt_ids, seed) -> tuple:
+        """The ``("batch", step, version, payload, seconds)`` message of one job."""
+        t0 = time.perf_counter()
+        batch = self.backend.generate(prompt_ids, self.spec.sampling, seed=seed)
+        return ("batch", step, self.held, batch_to_bytes(batch.to("cpu")), time.perf_counter() - t0)
+
+
 def worker_main(index: int, incarnation: int, spec: WorkerSpec, jobs, results) -> None:
     """The worker process (spawned): build the policy copy and backend, then serve jobs until ``None``."""
     try:
         torch.set_num_threads(spec.threads)
-        from transformers import AutoModelForCausalLM
-
-        from verl_core.rollout_backends import build_rollout_backend
-
         _fault("start", incarnation, results)
         store = WeightStore(spec.weights_dir)
-        model = AutoModelForCausalLM.from_config(spec.model_config, dtype=spec.dtype).eval().requires_grad_(False)
+        copy = PolicyCopy(spec)
         results.put(("ready", os.getpid()))  # the trainer's queue timeout restarts: building the copy is not sampling
-        backend, held = None, -1
         while (job := _next_job(jobs)) is not None:
             step, prompt_ids, seed = job
             _fault(step, incarnation, results)
             version = _wait_for_version(store, step - spec.max_staleness)
-            while version > held:
+            while version > copy.held:
                 state = store.load(version)
                 if state is None:  # replaced while we looked: take the newer one
                     version = store.newest()
                     continue
-                model.load_state_dict(state)
-                held = version
-                if backend is None:
-                    backend = build_rollout_backend(spec.rollout, model, spec.tokenizer, spec.autocast_dtype)
-                else:
-                    backend.sync_weights(model)
-            t0 = time.perf_counter()
-            batch = backend.generate(prompt_ids, spec.sampling, seed=seed)
-            results.put(("batch", step, held, batch_to_bytes(batch.to("cpu")), time.perf_counter() - t0))
+                copy.load(version, state)
+            results.put(copy.sample(step, prompt_ids, seed))
     except BaseException:  # noqa: BLE001  (the trainer gets the traceback as data, then the exit code)
         results.put(("error", f"rollout worker {index}: {traceback.format_exc()}"))
         results.close()
         results.join_thread()
         sys.exit(1)
+
+
+class WorkerProcess:
+    """The trainer's handle on one worker run as a spawned local process (jobs and messages over queues,
+    weights from the :class:`WeightStore` folder). :class:`verl_core.rollout_worker_ray.WorkerActor` is the
+    same handle on a Ray actor."""
+
+    kind = "process"
+
+    def __init__(self, index: int, incarnation: int, spec: WorkerSpec):
+        ctx = multiprocessing.get_context("spawn")  # fork after torch started its threads is unsafe
+        self.jobs, self.results = ctx.Queue(), ctx.Queue()
+        self.process = ctx.Process(
+            target=worker_main,
+            args=(index, incarnation, spec, self.jobs, self.results),
+            name=f"verl-core-rollout-{index}",
+            daemon=True,
+        )
+        self.process.start()
+        self.pid = self.process.pid
+
+    def send(self, job: tuple, store: WeightStore) -> None:
+        self.jobs.put(job)  # the worker reads the weights it needs from the store itself
+
+    def receive(self, timeout: float) -> tuple | None:
+        """The next message, waiting up to ``timeout`` seconds (0: only what already arrived); None: none."""
+        try:
+            return self.results.get(timeout=timeout) if timeout > 0 else self.results.get_nowait()
+        except queue.Empty:
+            return None
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def exit_status(self) -> str:
+        self.process.join(timeout=5)
+        return f"exited with code {self.process.exitcode}"
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        for q in (self.jobs, self.results):
+            q.cancel_join_thread()
+            q.close()

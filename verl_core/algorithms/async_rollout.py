@@ -2,7 +2,8 @@
 
 In the synchronous loop the trainer samples step ``s``, then updates on it, and the sampler idles
 while the trainer trains (and the reverse). Here ``async_rollout.workers`` processes
-(:mod:`verl_core.rollout_worker`) sample, and the batch of step ``s`` may have been sampled with
+(:mod:`verl_core.rollout_worker`; Ray actors when the trainer runs inside a Ray job,
+:mod:`verl_core.rollout_worker_ray`) sample, and the batch of step ``s`` may have been sampled with
 the weights of any version ``v >= s - max_staleness`` (version ``v``: the weights after ``v``
 updates). With ``max_staleness = 1`` the worker samples step ``s + 1`` while the trainer trains
 step ``s``: verl's one-step-off-policy recipe; larger bounds are AReaL's staleness-bounded
@@ -39,8 +40,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import multiprocessing
-import queue
 import time
 from typing import Any
 
@@ -51,7 +50,8 @@ from verl_core.config import ConfigError
 from verl_core.errors import TrainingError
 from verl_core.rollout import RolloutBatch
 from verl_core.rollout_backends import build_rollout_backend
-from verl_core.rollout_worker import WeightStore, WorkerSpec, batch_from_bytes, worker_main
+from verl_core.rollout_worker import WeightStore, WorkerProcess, WorkerSpec, batch_from_bytes
+from verl_core.rollout_worker_ray import ObjectStoreWeights, WorkerActor, inside_ray
 
 log = logging.getLogger("verl_core")
 
@@ -74,9 +74,7 @@ def build_backend(trainer: Any, lm: torch.nn.Module, autocast: torch.dtype | Non
 class _Worker:
     def __init__(self, index: int):
         self.index, self.incarnation, self.restarts, self.ready, self.spawned_at = index, -1, 0, False, 0.0
-        self.process: Any = None
-        self.jobs: Any = None
-        self.results: Any = None
+        self.handle: Any = None  # a WorkerProcess or a WorkerActor
         self.pending: collections.deque = collections.deque()  # jobs sent, batch not yet received
         self.inbox: collections.deque = collections.deque()  # messages read while only looking for "ready"
 
@@ -87,7 +85,10 @@ class AsyncRolloutBackend:
     def __init__(self, trainer: Any, lm: torch.nn.Module, autocast: torch.dtype | None):
         c = trainer.config
         self.trainer, self.lm, self.settings = trainer, lm, c.async_rollout
-        self.store = WeightStore()
+        # inside a Ray job (launcher.kind: ray) the workers are Ray actors fed from the object store
+        self.on_ray = inside_ray()
+        self.store = ObjectStoreWeights() if self.on_ray else WeightStore()
+        self.worker_cls = WorkerActor if self.on_ray else WorkerProcess
         self.spec = WorkerSpec(
             model_config=lm.config,
             dtype=next(lm.parameters()).dtype,
@@ -97,9 +98,8 @@ class AsyncRolloutBackend:
             autocast_dtype=autocast,
             max_staleness=self.settings.max_staleness,
             threads=self.settings.worker_threads,
-            weights_dir=str(self.store.folder),
+            weights_dir=str(getattr(self.store, "folder", "")),
         )
-        self.ctx = multiprocessing.get_context("spawn")  # fork after torch started its threads is unsafe
         self.workers = [_Worker(i) for i in range(self.settings.workers)]
         self.step: int | None = None  # the step whose batch was handed out last
         self.next_job = 0
@@ -136,16 +136,20 @@ class AsyncRolloutBackend:
                 f"[0, async_rollout.max_staleness={self.settings.max_staleness}] (a bug)"
             )
         self.step, self.max_seen = step, max(self.max_seen, staleness)
-        self.last = {
+        self.last = self._metrics(staleness, version, time.perf_counter() - t0, gen_seconds)
+        return batch_from_bytes(payload)
+
+    def _metrics(self, staleness: int, version: int, wait: float, gen_seconds: float) -> dict[str, float]:
+        return {
             "async/staleness": float(staleness),
             "async/staleness_max": float(self.max_seen),
             "async/policy_version": float(version),
-            "async/queue_wait_s": time.perf_counter() - t0,
+            "async/queue_wait_s": wait,
             "async/worker_gen_seconds": gen_seconds,
             "async/restarts": float(sum(x.restarts for x in self.workers)),
             "async/in_process_steps": float(self.in_process_steps),
+            "async/ray_actor_workers": float(len(self.workers) if self.on_ray else 0),
         }
-        return batch_from_bytes(payload)
 
     def _generate_in_process(self, step: int, prompt_ids, params, seed) -> RolloutBatch:
         """Step ``step`` sampled by the trainer with its current weights (staleness 0); once every worker is
@@ -154,16 +158,7 @@ class AsyncRolloutBackend:
         batch = self.local.generate(prompt_ids, params, seed=seed)
         self.step, self.next_job = step, step + 1
         self.in_process_steps += 1
-        self.last = {
-            "async/staleness": 0.0,
-            "async/staleness_max": float(self.max_seen),
-            "async/policy_version": float(step),
-            "async/queue_wait_s": 0.0,
-            "async/worker_gen_seconds": 0.0,
-            "async/restarts": float(sum(x.restarts for x in self.workers)),
-            "async/in_process_steps": float(self.in_process_steps),
-            "async/in_process_gen_seconds": time.perf_counter() - t0,
-        }
+        self.last = {**self._metrics(0, step, 0.0, 0.0), "async/in_process_gen_seconds": time.perf_counter() - t0}
         if self._all_ready():
             self._submit_up_to(step + self.settings.max_staleness)
         return batch
@@ -180,7 +175,7 @@ class AsyncRolloutBackend:
         return dict(self.last)
 
     def worker_pids(self) -> list[int]:
-        return [w.process.pid for w in self.workers if w.process is not None]
+        return [w.handle.pid for w in self.workers if w.handle is not None and w.handle.pid is not None]
 
     def close(self) -> None:
         for w in self.workers:  # a worker holds nothing worth a graceful exit: stop them all at once
@@ -203,15 +198,14 @@ class AsyncRolloutBackend:
     def _starting_normally(self) -> bool:
         """No worker died or overran ``startup_timeout_s`` while starting (else :meth:`_receive` restarts or fails)."""
         limit = self.settings.startup_timeout_s
-        return all(w.ready or (w.process.is_alive() and time.monotonic() - w.spawned_at < limit) for w in self.workers)
+        return all(w.ready or (w.handle.alive() and time.monotonic() - w.spawned_at < limit) for w in self.workers)
 
     def _all_ready(self) -> bool:
         """Whether every worker has built its copy (reads the "ready" messages that arrived, without waiting)."""
         for w in self.workers:
             while not w.ready:
-                try:
-                    msg = w.results.get_nowait()
-                except queue.Empty:
+                msg = w.handle.receive(0)
+                if msg is None:
                     break
                 if msg[0] == "ready":
                     w.ready = True
@@ -231,60 +225,37 @@ class AsyncRolloutBackend:
             w = self.workers[self.next_job % len(self.workers)]
             job = self._job(self.next_job)
             w.pending.append(job)
-            w.jobs.put(job)
+            w.handle.send(job, self.store)
             self.next_job += 1
 
     def _spawn(self, w: _Worker) -> None:
         w.incarnation += 1
         w.ready, w.spawned_at = False, time.monotonic()
         w.inbox.clear()
-        w.jobs, w.results = self.ctx.Queue(), self.ctx.Queue()
-        w.process = self.ctx.Process(
-            target=worker_main,
-            args=(w.index, w.incarnation, self.spec, w.jobs, w.results),
-            name=f"verl-core-rollout-{w.index}",
-            daemon=True,
-        )
-        w.process.start()
+        w.handle = self.worker_cls(w.index, w.incarnation, self.spec)
         for job in w.pending:  # a restarted worker takes over what its predecessor had not delivered
-            w.jobs.put(job)
-        log.info("rollout worker %d started (pid %d, incarnation %d)", w.index, w.process.pid, w.incarnation)
+            w.handle.send(job, self.store)
+        log.info("rollout worker %d started as a %s (incarnation %d)", w.index, w.handle.kind, w.incarnation)
 
-    def _stop(self, w: _Worker, graceful: bool = False) -> None:
-        p = w.process
-        if p is None:
-            return
-        if graceful and p.is_alive():
-            try:
-                w.jobs.put(None)
-            except (OSError, ValueError):
-                pass
-            p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)
-        for q in (w.jobs, w.results):
-            q.cancel_join_thread()
-            q.close()
-        w.process = None
+    def _stop(self, w: _Worker) -> None:
+        if w.handle is not None:
+            w.handle.stop()
+            w.handle = None
 
     def _receive(self, w: _Worker, step: int) -> tuple[int, int, bytes, float]:
         """The next message of worker ``w``: restart it when it died (bounded), fail on its error or a timeout."""
         timeout, startup = self.settings.queue_timeout_s, self.settings.startup_timeout_s
         deadline = time.monotonic() + (timeout if w.ready else max(timeout, startup))
         while True:
-            try:
-                msg = w.inbox.popleft() if w.inbox else w.results.get(timeout=max(0.01, min(0.5, deadline - time.monotonic())))
-            except queue.Empty:
-                msg = None
+            msg = w.inbox.popleft() if w.inbox else w.handle.receive(max(0.01, min(0.5, deadline - time.monotonic())))
             if msg is not None and msg[0] == "batch":
                 return msg[1], msg[2], msg[3], msg[4]
             if msg is not None and msg[0] == "ready":  # the copy is built: the queue timeout now bounds sampling
                 w.ready, deadline = True, time.monotonic() + timeout
                 continue
-            if msg is None and w.process.is_alive():
+            if msg is None and w.handle.alive():
                 if time.monotonic() >= deadline:
-                    pid = w.process.pid
+                    pid = w.handle.pid
                     self._stop(w)
                     what = f"queue_timeout_s={timeout:g}s" if w.ready else f"startup_timeout_s={max(timeout, startup):g}s"
                     raise TrainingError(
@@ -293,23 +264,18 @@ class AsyncRolloutBackend:
                     )
                 continue
             if msg is None:  # died: a last message may still be in the pipe
-                try:
-                    msg = w.results.get(timeout=0.5)
-                except queue.Empty:
-                    pass
+                msg = w.handle.receive(0.5)
                 if msg is not None and msg[0] == "batch":
                     return msg[1], msg[2], msg[3], msg[4]
             if msg is None:
-                w.process.join(timeout=5)
-                why = f"exited with code {w.process.exitcode}"
+                why = w.handle.exit_status()
                 if not w.ready:  # spawn runs the parent's main module first: an unguarded script starts training again
                     why += (
                         " while starting (before it reported ready; its stderr says why: a script that trains "
                         'must start training under `if __name__ == "__main__":`, since a worker imports the main module)'
                     )
             else:
-                w.process.join(timeout=5)
-                why = f"failed (exit code {w.process.exitcode}): {msg[1].strip().splitlines()[-1]}"
+                why = f"failed ({w.handle.exit_status()}): {msg[1].strip().splitlines()[-1]}"
             if w.restarts >= self.settings.max_restarts:
                 self._stop(w)
                 detail = msg[1] if msg is not None else ""

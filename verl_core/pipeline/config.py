@@ -305,17 +305,23 @@ class PipelineConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _async_rollout_launcher(self):
-        """Rollout workers (``async_rollout``) are local processes beside one training process: no Ray actor yet."""
+        """Rollout workers (``async_rollout``) serve one training process: local processes, or Ray actors under Ray."""
         po = self.policy_optimisation
-        settings = getattr(getattr(po, po.algorithm, None), "async_rollout", None)
+        settings = self.async_rollout_settings()
         launcher = po.launcher or self.launcher
-        if settings is not None and settings.enabled and (launcher.kind == "ray" or launcher.world_size > 1):
+        if settings is not None and launcher.world_size > 1:
             raise ValueError(
                 f"policy_optimisation.{po.algorithm}.async_rollout.max_staleness > 0 with launcher.kind "
-                f"{launcher.kind!r} and {launcher.world_size} process(es): rollout workers run as local processes "
-                "beside one training process (no Ray actor); use launcher.kind 'local' or async_rollout.max_staleness: 0"
+                f"{launcher.kind!r} and {launcher.world_size} process(es): rollout workers serve one training "
+                "process; use launcher.num_processes: 1 or async_rollout.max_staleness: 0"
             )
         return self
+
+    def async_rollout_settings(self):
+        """The policy-optimisation algorithm's ``async_rollout`` when it is on (max_staleness > 0), else None."""
+        po = self.policy_optimisation
+        settings = getattr(getattr(po, po.algorithm, None), "async_rollout", None)
+        return settings if settings is not None and settings.enabled else None
 
     @property
     def workdir_path(self) -> Path:

@@ -37,9 +37,11 @@ def run(request_path: str) -> None:
     env_vars = {k: os.environ[k] for k in forwarded if k in os.environ}
     env_vars.update(launcher.env)
     runtime_env = {"env_vars": env_vars}
+    rollout = config.async_rollout_settings() if request["stage"] == "policy_optimisation" else None
+    rollout_cpus = rollout.workers * rollout.worker_threads if rollout is not None else 0  # its Ray actors' share
     if launcher.ray_address is None:
         ray.init(
-            num_cpus=max(1, int(launcher.num_processes * launcher.cpus_per_worker + 0.999)),
+            num_cpus=max(1, int(launcher.num_processes * launcher.cpus_per_worker + 0.999)) + rollout_cpus,
             num_gpus=int(launcher.num_processes * launcher.gpus_per_worker + 0.999),
             include_dashboard=False,
             _node_ip_address="127.0.0.1",

@@ -191,7 +191,10 @@ class PreferenceTrainer(OfflineTrainer):
         policy.eval()
         self._precomputing = True
         device = next(policy.parameters()).device
-        size = max(1, self.config.batch_size // self.config.gradient_accumulation_steps)
+        # one training micro-batch at a time: the same chunks (so the same packed layouts, the same float
+        # results) whether the micro-batches of a step run in one process or are spread over several
+        processes = self.engine.accelerator.num_processes if self.engine is not None else 1
+        size = max(1, self.config.batch_size // (self.config.gradient_accumulation_steps * processes))
         try:
             for start in range(0, len(examples), size):
                 chunk = [{k: v for k, v in e.items() if k != REF_KEY} for e in examples[start : start + size]]

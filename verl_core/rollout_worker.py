@@ -62,6 +62,11 @@ class WorkerSpec:
     weights_dir: str
 
 
+def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``model``'s weights on the CPU, detached: what a version of the policy publishes."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
 class WeightStore:
     """Versions of the policy weights in a shared-memory folder: :meth:`publish` (trainer), :meth:`newest` /
     :meth:`load` (workers). Only the newest version is kept; a reader whose file was just replaced
@@ -76,7 +81,7 @@ class WeightStore:
         self.folder.mkdir(parents=True, exist_ok=True)
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
-        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        state = cpu_state(model)
         tmp = self.folder / f".tmp-v{version:08d}.pt"
         torch.save(state, tmp)
         tmp.rename(self.folder / f"v{version:08d}.pt")

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from verl_core.rollout_worker import PolicyCopy, WorkerSpec, _fault
+from verl_core.rollout_worker import PolicyCopy, WorkerSpec, _fault, cpu_state
 
 
 def inside_ray() -> bool:
@@ -47,8 +47,7 @@ class ObjectStoreWeights:
     def publish(self, version: int, model: torch.nn.Module) -> None:
         import ray
 
-        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        self.version, self.ref = version, ray.put(state)
+        self.version, self.ref = version, ray.put(cpu_state(model))
 
     def remove(self) -> None:
         self.ref = None

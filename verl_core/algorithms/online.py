@@ -322,7 +322,8 @@ class OnlineTrainer:
                 with acc.autocast():
                     ref.append(self.response_logprobs(self.reference, mb)[0])
         mask = exp["response_mask"].bool()
-        behaviour = torch.where(mask, rollout.logprobs.to(acc.device).float(), 0.0)  # the sampler's
+        sampler_logp = self.behaviour_is_old or self.measures_mismatch  # else the sampler's are not read
+        behaviour = torch.where(mask, rollout.logprobs.to(acc.device).float(), 0.0) if sampler_logp else None
         if need_old:  # stale batches from rollout workers: the ratio may be taken against the sampler
             exp["old_logp"] = behaviour if self.behaviour_is_old else torch.where(mask, torch.cat(old), 0.0)
         if self.measures_mismatch:

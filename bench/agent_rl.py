@@ -33,7 +33,7 @@ ENV = "calculator_arithmetic"
 def build_sft(out: Path) -> Path:
     from verl_core.agents import tasks
     from verl_core.algorithms.sft import SFTTrainer
-    from verl_core.tiny import tiny_model_path
+    from verl_core.bundled.tiny_model import tiny_model_path
 
     SFTTrainer(
         str(tiny_model_path()), train_dataset=tasks.sft_rows(3000), **tasks.SFT_RECIPE, mixed_precision="no",
@@ -44,8 +44,8 @@ def build_sft(out: Path) -> Path:
 
 def sft_accuracy(path: Path, rows: list[dict]) -> float:
     from verl_core.agents import AgentSettings, build_agent_loop, evaluate_episodes
-    from verl_core.models import load_causal_lm, load_tokenizer
-    from verl_core.rollout import HFRolloutBackend
+    from verl_core.modeling.loading import load_causal_lm, load_tokenizer
+    from verl_core.rollout.hf_backend import HFRolloutBackend
 
     model, tok = load_causal_lm(path, trainable=False), load_tokenizer(path)
     loop = build_agent_loop(AgentSettings(environment=ENV), tok, 48)

@@ -45,11 +45,11 @@ SHAPES = {
 def run(mode: str, base: Path, seed: int, steps: int, eval_rows: list[dict], shape: dict, threads: int) -> dict[str, float]:
     import torch
 
-    from verl_core import arithmetic
     from verl_core.algorithms.grpo import GRPOTrainer
-    from verl_core.callbacks import Callback
+    from verl_core.bundled import arithmetic
     from verl_core.evaluation import answer_accuracy
     from verl_core.policies import LLMPolicy
+    from verl_core.train.callbacks import Callback
 
     class Staleness(Callback):
         values: list[float] = []
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     _, base = prepare_base(args, "async-rl-bench-")
-    from verl_core import arithmetic
+    from verl_core.bundled import arithmetic
 
     eval_rows = arithmetic.eval_rows(args.eval_rows)
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -6,7 +6,7 @@ bf16-autocast training step of the bench model); upcasting q/k/v for that one op
 more exact. It lives here, not in ``verl_core``, because only the bench's CPU runs need it.
 
 The kernel is registered with transformers' ``AttentionInterface`` under :data:`FP32_CPU_SDPA`;
-the name starts with ``sdpa`` so that :mod:`verl_core.packing` gives it sdpa's bool mask.
+the name starts with ``sdpa`` so that :mod:`verl_core.modeling.packed_forward` gives it sdpa's bool mask.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from verl_core.forward import attn_implementation, base_module
+from verl_core.modeling.forward import attn_implementation, base_module
 
 FP32_CPU_SDPA = "sdpa_fp32_cpu"
 

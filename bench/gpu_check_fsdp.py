@@ -32,7 +32,7 @@ def train(spec, clock: harness.StepClock) -> dict:
     from realistic_sides import _timing, _tokenizer
 
     from verl_core.algorithms.sft import SFTTrainer
-    from verl_core.callbacks import Callback
+    from verl_core.train.callbacks import Callback
 
     losses: list[float] = []
 

@@ -31,7 +31,7 @@ IMPLS = ("ours", "trl")
 class BenchSpec:
     """Everything both sides share. One spec per run; serialised to the children as JSON."""
 
-    # the bench model: Llama family, built locally by verl_core.tiny
+    # the bench model: Llama family, built locally by verl_core.bundled.tiny_model
     hidden_size: int = 256
     intermediate_size: int = 1024
     num_hidden_layers: int = 4
@@ -58,7 +58,7 @@ class BenchSpec:
     # our speed features (each switchable)
     packing: bool = True
     share_prompt: bool = True
-    prune_last_layer: bool = True  # with packing: the last layer only where the loss reads (verl_core.forward.last_layer_only_at)
+    prune_last_layer: bool = True  # with packing: the last layer only where the loss reads (verl_core.modeling.forward.last_layer_only_at)
     row_capacity: str = "auto"  # tokens per packed row: a number, "longest" (unit), "none" (one row), "auto"
     fp32_cpu_attention: bool = True  # SDPA in fp32 under CPU autocast (bench/fp32_attention.py)
     precompute_ref: bool = True
@@ -87,7 +87,7 @@ class BenchSpec:
         return cap if cap == "longest" else int(cap)
 
     def model_config(self):
-        from verl_core.tiny import TinyModelConfig
+        from verl_core.bundled.tiny_model import TinyModelConfig
 
         return TinyModelConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
                                num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
@@ -102,7 +102,7 @@ class BenchSpec:
 
 
 def model_path(spec: BenchSpec) -> Path:
-    from verl_core.tiny import tiny_model_path
+    from verl_core.bundled.tiny_model import tiny_model_path
 
     return tiny_model_path(spec.model_config(), cache_dir=spec.cache_dir or None)
 
@@ -111,7 +111,7 @@ def model_path(spec: BenchSpec) -> Path:
 def rows_for(algo: str, spec: BenchSpec) -> list[dict]:
     import random
 
-    from verl_core import arithmetic
+    from verl_core.bundled import arithmetic
 
     n = spec.rows
     if algo == "sft":
@@ -344,7 +344,7 @@ def build_table(spec: BenchSpec, algos: list[str], results: dict[str, dict[str, 
         "# verl_core vs TRL",
         "",
         f"Model: Llama, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, intermediate {spec.intermediate_size}, "
-        f"{spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads (verl_core.tiny). Data: bundled arithmetic "
+        f"{spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads (verl_core.bundled.tiny_model). Data: bundled arithmetic "
         f"task, {spec.rows} rows, batch {spec.batch_size}, max_length {spec.max_length}; {spec.dtype} "
         f"{'autocast' if spec.dtype == 'bf16' else ''} on {device}; {spec.steps} timed steps after {spec.warmup_steps} warm-up; "
         f"each run in its own process; "

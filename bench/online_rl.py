@@ -43,9 +43,9 @@ COMMON = dict(mixed_precision="auto", max_new_tokens=24, progress=False, logging
 
 
 def build_sft(out: Path, steps: int) -> Path:
-    from verl_core import arithmetic
     from verl_core.algorithms.sft import SFTTrainer
-    from verl_core.tiny import tiny_model_path
+    from verl_core.bundled import arithmetic
+    from verl_core.bundled.tiny_model import tiny_model_path
 
     first = min(steps, 300)
     common = dict(train_dataset=arithmetic.sft_rows(2000), batch_size=32, mixed_precision="auto", progress=False, logging_steps=100)
@@ -88,8 +88,8 @@ def build_reward_model(base: Path, out: Path, steps: int, prompts: int) -> Path:
     prompts (0.81 have a right one). The earlier recipes ranked the policy's own near misses too
     poorly for PPO to climb (best-vs-worst pairs: 0.85 and 0.57; bundled pairs with random misses:
     PPO fell below the SFT start)."""
-    from verl_core import arithmetic
     from verl_core.algorithms.reward_model import RewardTrainer
+    from verl_core.bundled import arithmetic
     from verl_core.preference_data import PreferenceDataConfig, generate_preference_data
 
     config = PreferenceDataConfig(n_samples=8, sampling={"max_new_tokens": 20}, pairing="all_pairs", min_margin=0.5,
@@ -114,7 +114,8 @@ def reward_model_reranking(base: Path, reward_model: Path, rows: list[dict], n: 
     from verl_core.policies import LLMPolicy
     from verl_core.rewards import RewardModel
     from verl_core.rewards.rules import RULE_REWARDS
-    from verl_core.rollout import HFRolloutBackend, SamplingParams, decode_responses
+    from verl_core.rollout.contract import SamplingParams, decode_responses
+    from verl_core.rollout.hf_backend import HFRolloutBackend
 
     policy = LLMPolicy.from_pretrained(base)
     tok = policy.tokenizer
@@ -133,10 +134,10 @@ def reward_model_reranking(base: Path, reward_model: Path, rows: list[dict], n: 
 
 
 def run(algorithm: str, base: Path, eval_rows: list[dict], reward_model: Path | None, extra: dict) -> tuple[float, dict]:
-    from verl_core import arithmetic
     from verl_core.algorithms.dapo import DAPOTrainer
     from verl_core.algorithms.grpo import GRPOTrainer
     from verl_core.algorithms.ppo import PPOTrainer
+    from verl_core.bundled import arithmetic
     from verl_core.policies import LLMPolicy
     from verl_core.rewards import RewardModel
 
@@ -173,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     out, base = prepare_base(args, "online-rl-bench-")
-    from verl_core import arithmetic
+    from verl_core.bundled import arithmetic
     from verl_core.evaluation import answer_accuracy
-    from verl_core.models import load_causal_lm, load_tokenizer
+    from verl_core.modeling.loading import load_causal_lm, load_tokenizer
 
     eval_rows = arithmetic.eval_rows(args.eval_rows)
     before = answer_accuracy(load_causal_lm(base), load_tokenizer(base), eval_rows)

@@ -1,7 +1,7 @@
 """Our side of the benchmark: verl_core's trainers through their public API, speed features on.
 
 Features used (each switchable in :class:`harness.BenchSpec`): bf16 autocast (the engine's
-``mixed_precision``), padding-free packing with a shared prompt per pair (``verl_core.packing``),
+``mixed_precision``), padding-free packing with a shared prompt per pair (``verl_core.modeling.packed_forward``),
 precomputed reference log-probs with the reference freed (``precompute_ref_logps``), chunked
 per-token log-probs (always), and the KV-cached rollout with early stop (GRPO, always).
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 from harness import BenchSpec, StepClock, model_path, rows_for
 
-from verl_core.callbacks import Callback
+from verl_core.train.callbacks import Callback
 
 
 class _Clock(Callback):
@@ -47,7 +47,7 @@ def _fp32_attention(spec: BenchSpec, model) -> str | None:
         return None
     from fp32_attention import FP32_CPU_SDPA, use_fp32_cpu_attention
 
-    from verl_core.forward import attn_implementation
+    from verl_core.modeling.forward import attn_implementation
 
     if attn_implementation(model) == FP32_CPU_SDPA:
         return "fp32 SDPA on CPU"

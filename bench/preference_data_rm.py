@@ -43,11 +43,11 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     out, base = prepare_base(args, "pref-data-rm-bench-")
-    from verl_core import arithmetic
     from verl_core.algorithms.reward_model import RewardTrainer
+    from verl_core.bundled import arithmetic
     from verl_core.data import load_rows
     from verl_core.evaluation import reward_model_accuracy
-    from verl_core.models import load_reward_model, load_tokenizer
+    from verl_core.modeling.loading import load_reward_model, load_tokenizer
     from verl_core.preference_data import PreferenceDataConfig, generate_preference_data
 
     config = PreferenceDataConfig(n_samples=args.n_samples, sampling={"max_new_tokens": 20}, pairing="best_worst",

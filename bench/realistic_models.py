@@ -4,7 +4,7 @@ Nothing is downloaded. A 32,000-token byte-level BPE (``tokenizers``) is trained
 the shared HH-RLHF and GSM8K files (``/work/shared/data``, or ``$VERL_BENCH_DATA``); the models
 are Llama-family, randomly initialised, saved with ``save_pretrained`` next to the tokenizer, and
 cached under the cache folder (``$VERL_CORE_CACHE``, default ``~/.cache/verl_core``), like
-``verl_core.tiny``: a rerun finds them and builds nothing.
+``verl_core.bundled.tiny_model``: a rerun finds them and builds nothing.
 
 Shapes (``SHAPES``; both tie the LM head to the input embedding, as GPT-2, SmolLM2 and
 Qwen2.5-0.5B do):
@@ -194,7 +194,7 @@ def _data_digest() -> str:
 
 
 def _cache_root(spec: RealSpec) -> Path:
-    from verl_core.tiny import default_cache_dir
+    from verl_core.bundled.tiny_model import default_cache_dir
 
     return Path(spec.cache_dir) if spec.cache_dir else default_cache_dir()
 
@@ -225,7 +225,7 @@ def tokenizer_path(spec: RealSpec) -> Path:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
         from transformers import PreTrainedTokenizerFast
 
-        from verl_core.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+        from verl_core.bundled.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
 
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),

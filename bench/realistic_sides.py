@@ -79,7 +79,7 @@ def _tokenizer(spec: RealSpec):
 # -- ours ----------------------------------------------------------------------------------------
 def run_ours(algo: str, spec: RealSpec, clock: StepClock) -> dict[str, Any]:
     from verl_core.algorithms import preference
-    from verl_core.callbacks import Callback
+    from verl_core.train.callbacks import Callback
 
     class Clock(Callback):
         def on_train_begin(self, params):

@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out, base = prepare_base(args, "verl-rounds-")
 
-    from verl_core import arithmetic
-    from verl_core.fingerprint import fingerprint_path
+    from verl_core.bundled import arithmetic
+    from verl_core.data.fingerprint import fingerprint_path
     from verl_core.pipeline import load_pipeline_config, run_stage
     from verl_core.pipeline.evaluation import score_policy
     from verl_core.pipeline.records import StageRecord

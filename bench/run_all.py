@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     load_before = _load()
     path = harness.model_path(spec)  # build the model once, before any timed child
-    from verl_core.models import load_tokenizer
+    from verl_core.modeling.loading import load_tokenizer
 
     tokenizer = load_tokenizer(path)
     works = {a: harness.work_per_step(a, spec, tokenizer) for a in algos}

@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _prompts(kind: str, tokenizer, n: int) -> list[list[int]]:
-    from verl_core import arithmetic
+    from verl_core.bundled import arithmetic
     from verl_core.data import tokenize_prompts
 
     if kind == "bench":
@@ -73,9 +73,10 @@ def sample_both(kind: str, path: Path, args) -> dict:
     """Tokens/s of each backend on the model folder ``path``."""
     import torch
 
-    from verl_core.models import load_causal_lm, load_tokenizer
-    from verl_core.rollout import HFRolloutBackend, SamplingParams
-    from verl_core.rollout_backends import RolloutConfig, build_rollout_backend, close_backend
+    from verl_core.modeling.loading import load_causal_lm, load_tokenizer
+    from verl_core.rollout.contract import SamplingParams
+    from verl_core.rollout.hf_backend import HFRolloutBackend
+    from verl_core.rollout.registry import RolloutConfig, build_rollout_backend, close_backend
 
     torch.set_num_threads(args.threads)
     model, tok = load_causal_lm(path, trainable=False), load_tokenizer(path)
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    from verl_core.rollout_vllm import import_vllm
+    from verl_core.rollout.vllm_backend import import_vllm
 
     vllm = import_vllm()
     lines = [f"# Rollout backends: HF KV-cache loop vs vLLM {vllm.__version__}", "",

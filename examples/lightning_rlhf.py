@@ -6,9 +6,9 @@ strategies, loggers, checkpoints) and take from verl_core only what a training s
 - data: :func:`verl_core.data.tokenize_sft` / :func:`~verl_core.data.tokenize_pairs` (validation,
   chat templates, prompt masking, implicit-prompt pairs) and the collators
   :func:`~verl_core.data.collate_sft` / :func:`~verl_core.data.collate_pairs`;
-- losses: :func:`verl_core.logprobs.token_logprobs`, :func:`verl_core.losses.sequence_logps` and
+- losses: :func:`verl_core.modeling.logprobs.token_logprobs`, :func:`verl_core.losses.sequence_logps` and
   :func:`verl_core.losses.dpo_loss` (pure functions on tensors);
-- models: :func:`verl_core.models.load_causal_lm` / :func:`~verl_core.models.load_tokenizer`.
+- models: :func:`verl_core.modeling.loading.load_causal_lm` / :func:`~verl_core.modeling.loading.load_tokenizer`.
 
 Run it (``pip install lightning``; the tests install it with the ``lightning`` extra)::
 
@@ -27,9 +27,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from verl_core.data import collate_pairs, collate_sft, tokenize_pairs, tokenize_sft
-from verl_core.logprobs import token_logprobs
 from verl_core.losses import dpo_loss, sequence_logps
-from verl_core.models import load_causal_lm, load_tokenizer
+from verl_core.modeling.loading import load_causal_lm, load_tokenizer
+from verl_core.modeling.logprobs import token_logprobs
 
 Task = Literal["sft", "dpo"]
 
@@ -82,7 +82,8 @@ class PolicyModule(L.LightningModule):
 
 
 def main() -> None:
-    from verl_core import arithmetic, tiny_model_path
+    from verl_core import tiny_model_path
+    from verl_core.bundled import arithmetic
 
     trainer_args = dict(accelerator="cpu", max_steps=60, logger=False, enable_checkpointing=False)
     sft = PolicyModule(str(tiny_model_path()), "sft", learning_rate=3e-3)

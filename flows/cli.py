@@ -43,7 +43,7 @@ def _quiet_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # busy laptops start it slowly
-    from verl_core.progress import quiet_library_bars
+    from verl_core.train.progress import quiet_library_bars
 
     quiet_library_bars()  # `make run > log`: lines, not progress-bar frames
 

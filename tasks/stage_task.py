@@ -17,7 +17,6 @@ from prefect import Task, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import CacheKeyFnPolicy
 
-from verl_core.callbacks import Callback, MLflowCallback
 from verl_core.errors import UserError
 from verl_core.pipeline import model_registry, tracking
 from verl_core.pipeline.config import PipelineConfig
@@ -25,6 +24,7 @@ from verl_core.pipeline.keys import stage_key
 from verl_core.pipeline.launch import run_stage_launched
 from verl_core.pipeline.records import StageRecord, StageResult
 from verl_core.pipeline.registry import variant_of
+from verl_core.train.callbacks import Callback, MLflowCallback
 
 Inputs = dict[str, StageRecord | None]
 

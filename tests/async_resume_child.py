@@ -19,11 +19,11 @@ def _reward(completions, truths):  # varies within a group, so even the untraine
 
 
 def main() -> None:
-    from verl_core import engine
     from verl_core.algorithms.grpo import GRPOTrainer
-    from verl_core.callbacks import Callback
+    from verl_core.bundled.tiny_model import tiny_model_path
     from verl_core.policies import LLMPolicy
-    from verl_core.tiny import tiny_model_path
+    from verl_core.train import engine
+    from verl_core.train.callbacks import Callback
 
     out, staleness, mode = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     out.mkdir(parents=True, exist_ok=True)

@@ -30,21 +30,21 @@ def session_tmp() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
-    from verl_core.tiny import tiny_model_path
+    from verl_core.bundled.tiny_model import tiny_model_path
 
     return tiny_model_path()
 
 
 @pytest.fixture(scope="session")
 def tok(tiny_path):
-    from verl_core.models import load_tokenizer
+    from verl_core.modeling.loading import load_tokenizer
 
     return load_tokenizer(tiny_path)
 
 
 @pytest.fixture(scope="session")
 def pair_examples(tok):
-    from verl_core import arithmetic
+    from verl_core.bundled import arithmetic
     from verl_core.data import tokenize_pairs
 
     return tokenize_pairs(arithmetic.preference_rows(arithmetic.train_problems(10)), tok, 128)
@@ -72,8 +72,8 @@ def sft_path(tiny_path, session_tmp) -> Path:
     Two phases (300 steps of cosine from 3e-3, then 600 at a constant 2e-3), the recipe of
     bench/online_rl.py.
     """
-    from verl_core import arithmetic
     from verl_core.algorithms.sft import SFTTrainer
+    from verl_core.bundled import arithmetic
 
     out = session_tmp / "sft"
     common = dict(train_dataset=arithmetic.sft_rows(2000), batch_size=32, mixed_precision="no", progress=False, logging_steps=100)

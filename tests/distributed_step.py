@@ -4,8 +4,8 @@ import sys
 
 import torch
 
-from verl_core import arithmetic
 from verl_core.algorithms.sft import SFTTrainer
+from verl_core.bundled import arithmetic
 
 model_path, out = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)

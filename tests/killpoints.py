@@ -18,7 +18,7 @@ def _die() -> None:
 
 
 def install(point: str) -> None:
-    from verl_core import engine, state_io
+    from verl_core.train import engine, state_io
 
     if point == "mid-sft":
         real_save = engine.Engine.save_checkpoint

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from verl_core.agents import AgentSettings, build_agent_loop, tasks, tokenize_agent_prompts
-from verl_core.callbacks import Callback
-from verl_core.forward import response_logprobs
-from verl_core.models import load_causal_lm, load_tokenizer
-from verl_core.rollout import HFRolloutBackend, SamplingParams
-from verl_core.rollout_vllm import vllm_installed
+from verl_core.modeling.forward import response_logprobs
+from verl_core.modeling.loading import load_causal_lm, load_tokenizer
+from verl_core.rollout.contract import SamplingParams
+from verl_core.rollout.hf_backend import HFRolloutBackend
+from verl_core.rollout.vllm_backend import vllm_installed
+from verl_core.train.callbacks import Callback
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 LOGP_TOL = 1e-4  # as the single-turn backends (tests/test_vllm_rollout.py); measured ~3e-6 here in fp32
@@ -119,7 +120,7 @@ def test_a_resumed_agent_run_continues_exactly(agent_sft_path, tmp_path):
 def test_each_evaluation_logs_a_trajectory_table_to_mlflow(agent_sft_path):
     import mlflow
 
-    from verl_core.callbacks import MLflowCallback
+    from verl_core.train.callbacks import MLflowCallback
 
     with mlflow.start_run() as run:
         _grpo(
@@ -164,7 +165,7 @@ def test_rl_with_the_calculator_raises_exact_match_over_sft_and_over_rl_without_
 def test_vllm_episodes_have_the_policys_logprobs_on_policy_tokens_and_greedy_equals_hf(agent_sft_path):
     """One engine (~20 s to start): sampled episodes' log-probs recomputed on the whole trajectory, and
     greedy episodes token for token those of the HF backend."""
-    from verl_core.rollout_backends import RolloutConfig, build_rollout_backend
+    from verl_core.rollout.registry import RolloutConfig, build_rollout_backend
 
     model, loop, hf, prompts, params, seed = _episodes(agent_sft_path)
     engine = build_rollout_backend(RolloutConfig(backend="vllm"), model, loop.tokenizer)

@@ -13,7 +13,7 @@ from verl_core.agents.episodes import episode_seed, trajectory_table
 from verl_core.agents.parsers import parse_hermes, parse_pythonic
 from verl_core.agents.tools import CALCULATOR, TOOLS, ToolResult, calculate
 from verl_core.config import ConfigError
-from verl_core.rollout import RolloutBatch, SamplingParams, concat_rollouts
+from verl_core.rollout.contract import RolloutBatch, SamplingParams, concat_rollouts
 
 pytestmark = pytest.mark.fast
 
@@ -221,7 +221,7 @@ def test_only_policy_tokens_carry_the_loss_mask_and_tool_tokens_are_context(tok)
     rewards = outcome_token_rewards(torch.ones(3), batch.response_mask)
     assert rewards[1].nonzero().flatten().tolist() == [n - 1] and rewards.sum() == 3
     # decoding for rewards reads the policy's text only
-    from verl_core.rollout import decode_responses
+    from verl_core.rollout.contract import decode_responses
 
     assert decode_responses(tok, batch)[1] == '[calculator(expression="2 + 3")]#### 5'
 
@@ -309,7 +309,7 @@ def test_agent_prompts_carry_the_template_and_ground_truth(tok):
 
 
 def test_the_python_tool_runs_programs_in_the_sandbox_and_their_failures_are_tool_errors():
-    pytest.importorskip("verl_core.agents.sandbox")
+    pytest.importorskip("verl_core.sandbox.runner")
     python = {"python": TOOLS["python"]}
     out = call_tools(
         [

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from verl_core.pipeline import load_pipeline_config
-from verl_core.rollout_worker import FAULT_ENV
+from verl_core.rollout.worker import FAULT_ENV
 
 SHORT = [
     "sft.max_steps=3",

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.errors import TrainingError
-from verl_core.rollout_worker import FAULT_ENV
+from verl_core.rollout.worker import FAULT_ENV
+from verl_core.train.callbacks import Callback
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, accelerate state reset
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,9 +16,9 @@ from verl_core.config import ConfigError
 from verl_core.data import load_rows, tokenize_pairs, tokenize_prompts, tokenize_sft, tokenize_unpaired
 from verl_core.data.errors import DataError
 from verl_core.errors import TrackingError, UserError, WorkdirError
-from verl_core.models import ModelLoadError, load_causal_lm, load_tokenizer
+from verl_core.modeling.loading import ModelLoadError, load_causal_lm, load_tokenizer
 from verl_core.pipeline.config import load_pipeline_config
-from verl_core.state_io import CheckpointError, refuse_pickles
+from verl_core.train.state_io import CheckpointError, refuse_pickles
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD_SFT = '{"prompt": "Q: 1+1=", "completion": " 2"}\n{"prompt": "Q: 2+2=", "completion": " 4"}\n'

@@ -11,13 +11,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from verl_core import arithmetic
 from verl_core.algorithms.sft import SFTTrainer
-from verl_core.callbacks import Callback
+from verl_core.bundled import arithmetic
 from verl_core.config import ConfigError
-from verl_core.engine import TrainingError, latest_checkpoint
-from verl_core.state_io import SAFE_SUFFIXES, CheckpointError, load_tree, save_tree
-from verl_core.update_checks import check_update
+from verl_core.errors import TrainingError
+from verl_core.train.callbacks import Callback
+from verl_core.train.checkpoints import latest_checkpoint
+from verl_core.train.state_io import SAFE_SUFFIXES, CheckpointError, load_tree, save_tree
+from verl_core.train.update_checks import check_update
 
 ROWS = arithmetic.sft_rows(32)
 
@@ -195,7 +196,7 @@ def test_partial_model_folders_of_dead_processes_are_removed(tiny_path, tmp_path
     import subprocess
     import sys
 
-    from verl_core.models import load_causal_lm, load_tokenizer, save_pretrained_atomic
+    from verl_core.modeling.loading import load_causal_lm, load_tokenizer, save_pretrained_atomic
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()

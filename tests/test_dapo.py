@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
+from verl_core.train.callbacks import Callback
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, accelerate state reset
 
@@ -18,8 +18,8 @@ def _odd_only(completions, truths):
 
 
 def _trainer(path, cls_name="DAPOTrainer", **overrides):
-    from verl_core import arithmetic
     from verl_core.algorithms import dapo, grpo
+    from verl_core.bundled import arithmetic
     from verl_core.policies import LLMPolicy
 
     settings = dict(
@@ -74,7 +74,7 @@ def test_overlong_penalty_hand_computed():
 
 
 def test_overlong_shaping_is_added_to_the_score(tiny_path):
-    from verl_core.rollout import RolloutBatch
+    from verl_core.rollout.contract import RolloutBatch
 
     trainer = _trainer(tiny_path, "GRPOTrainer", max_new_tokens=8, overlong_buffer=4, reward_fns=[lambda c, t: [1.0] * len(c)])
     lengths = torch.tensor([2, 4, 5, 6, 7, 8])
@@ -117,7 +117,7 @@ def test_extra_rounds_are_a_pure_function_of_seed_step_round():
 
 
 def test_select_and_concat_rollout_groups():
-    from verl_core.rollout import RolloutBatch, concat_rollouts
+    from verl_core.rollout.contract import RolloutBatch, concat_rollouts
 
     def batch(p_len, r_lens):
         n = len(r_lens)

@@ -20,7 +20,7 @@ from verl_core.data import (
     tokenize_unpaired,
 )
 from verl_core.data.formats import split_implicit_prompt
-from verl_core.models import load_tokenizer
+from verl_core.modeling.loading import load_tokenizer
 
 ROWS = [
     {"prompt": "Question: 1 + 2?\nAnswer:", "completion": " 3\n#### 3"},

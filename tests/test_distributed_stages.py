@@ -4,7 +4,7 @@ bitwise equal; asserted within 1e-6), same metrics, same evaluation table.
 
 The guarantee (README, "Multi-GPU"): N processes with ``gradient_accumulation_steps`` a train like one
 process with ``gradient_accumulation_steps`` N x a. Each process's rows are the r-th micro-batch of
-the one-process run (``verl_core.batches.micro_batch_indices``), padded alike, so every micro-batch
+the one-process run (``verl_core.train.batches.micro_batch_indices``), padded alike, so every micro-batch
 gradient is computed on the same tensors; DDP's all-reduce adds the per-process gradients (a + b:
 one IEEE addition, the same in either order), and the averaging and the engine's rescale are powers
 of 2 that commute with rounding. One process taking the whole global batch in ONE micro-batch
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from verl_core.fingerprint import fingerprint_path
+from verl_core.data.fingerprint import fingerprint_path
 from verl_core.pipeline import PipelineConfig, load_pipeline_config, run_stage
 from verl_core.pipeline.launch import run_stage_launched
 from verl_core.pipeline.records import StageRecord

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from verl_core import arithmetic
 from verl_core.algorithms.dpo import DPOTrainer, ORPOTrainer, SimPOTrainer
+from verl_core.bundled import arithmetic
 from verl_core.config import ConfigError
 from verl_core.data import DataError
-from verl_core.models import LoraSettings, is_peft
+from verl_core.modeling.loading import LoraSettings, is_peft
 
 LN2 = math.log(2.0)
 QUIET = dict(progress=False, logging_steps=1)

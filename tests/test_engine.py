@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_core import arithmetic
 from verl_core.algorithms.sft import SFTTrainer
-from verl_core.callbacks import Callback
-from verl_core.engine import TrainingError, checkpoint_step, latest_checkpoint
+from verl_core.bundled import arithmetic
+from verl_core.errors import TrainingError
+from verl_core.train.callbacks import Callback
+from verl_core.train.checkpoints import checkpoint_step, latest_checkpoint
 
 ROWS = arithmetic.sft_rows(64)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_core.callbacks import Callback
 from verl_core.pipeline import PipelineConfig, load_pipeline_config, run_stage
+from verl_core.train.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = ("sft", "preference_data", "reward_model", "policy_optimisation", "evaluation")

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from verl_core.algorithms.grpo import GROUP_ESTIMATORS
-from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
 from verl_core.losses.policy import AGG_MODES, POLICY_LOSSES
+from verl_core.train.callbacks import Callback
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, accelerate state reset
 
@@ -164,8 +164,8 @@ def test_loss_units_make_micro_batches_add_up_to_the_batch_loss(agg):
 
     from verl_core.algorithms.grpo import GRPOConfig
     from verl_core.algorithms.online import OnlineTrainer
-    from verl_core.logprobs import scaled_logprobs
     from verl_core.losses.policy import FixedKLController
+    from verl_core.modeling.logprobs import scaled_logprobs
 
     torch.manual_seed(0)
     b, t, v = 6, 5, 11

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from verl_core import arithmetic
 from verl_core.algorithms.kto import KTOTrainer, assign_kl_completions
+from verl_core.bundled import arithmetic
 from verl_core.data import DataError
 
 QUIET = dict(progress=False, logging_steps=1)
@@ -138,7 +138,7 @@ def test_unpaired_rows_train_kto_through_the_pipeline_stage(tiny_path, tmp_path)
     a pairs-only algorithm refuses them naming the file."""
     import json
 
-    from verl_core.fingerprint import fingerprint_path
+    from verl_core.data.fingerprint import fingerprint_path
     from verl_core.pipeline import StageRecord, load_pipeline_config, run_stage
 
     rows = [{"prompt": f"Q: {i}+1=", "completion": f" {i + 1 if i % 2 else i}", "label": bool(i % 2)} for i in range(8)]

@@ -1,5 +1,7 @@
-"""The layers of DESIGN.md hold: the kernel never imports Prefect, MLflow or the pipeline layer;
-dependencies point down only; no import cycles; no oversized modules."""
+"""The layers and the kernel's layout described in CONTRIBUTING.md ("Layout") hold: the kernel never
+imports Prefect, MLflow or the pipeline layer; dependencies point down only, between layers and between
+the kernel's packages; the kernel's root holds only its face; a name has one import path; no import
+cycles; no oversized modules."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ ALLOWED = {
     "tasks": {"verl_core", "tasks"},
     "flows": {"verl_core", "tasks", "flows"},
 }
-MLFLOW_IN_KERNEL = {"verl_core.callbacks"}  # the MLflow callback: the one kernel file that may import mlflow
+MLFLOW_IN_KERNEL = {"verl_core.train.callbacks"}  # the MLflow callback: the one kernel file that may import mlflow
 
 pytestmark = pytest.mark.fast
 
@@ -131,3 +133,73 @@ def test_no_import_cycles_between_project_modules():
 def test_no_module_is_over_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in project_files() if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
+
+
+# The kernel's root: the package's face and what several packages share (see CONTRIBUTING.md, "Layout").
+KERNEL_ROOT = {
+    "verl_core",
+    "verl_core.config",
+    "verl_core.errors",
+    "verl_core.evaluation",
+    "verl_core.policies",
+    "verl_core.processes",
+}
+
+
+def kernel_package(module: str) -> str:
+    """``verl_core.rollout.worker`` -> ``rollout``; a root module is its own package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_the_kernel_root_holds_only_the_package_face():
+    root = {m for m in kernel_modules() if m.count(".") <= 1 and not (ROOT / m.replace(".", "/")).is_dir()} | {"verl_core"}
+    assert root == KERNEL_ROOT, sorted(root ^ KERNEL_ROOT)
+
+
+def test_kernel_packages_depend_on_each_other_one_way():
+    """No two kernel packages import each other (e.g. agents and rewards, evaluation and algorithms)."""
+    modules = {module_name(p): p for p in project_files() if layer_of(module_name(p)) == "kernel"}
+    graph: dict[str, set[str]] = {}
+    for m, p in modules.items():
+        if m == "verl_core":
+            continue  # the public API imports from everywhere by design
+        for name in imports_of(p):
+            if name.startswith("verl_core.") and name.split(".")[0] == "verl_core" and layer_of(name) == "kernel":
+                a, b = kernel_package(m), kernel_package(name)
+                if a != b and b not in ("config", "errors"):
+                    graph.setdefault(a, set()).add(b)
+    both_ways = sorted({tuple(sorted((a, b))) for a, deps in graph.items() for b in deps if a in graph.get(b, set())})
+    assert not both_ways, both_ways
+
+
+def _top_level_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def test_a_name_is_imported_from_the_module_that_defines_it():
+    """One module, one name: no module re-exports another's names (packages' ``__init__`` aside, which are
+    their package's public API)."""
+    files = {module_name(p): p for p in project_files() + sorted((ROOT / "tests").glob("*.py"))}
+    offenders = []
+    for path in files.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("verl_core.")):
+                continue
+            source = files.get(node.module)
+            if source is None or source.name == "__init__.py":
+                continue
+            defined = _top_level_names(source)
+            for alias in node.names:
+                if alias.name not in defined and f"{node.module}.{alias.name}" not in files:
+                    offenders.append(
+                        f"{path.relative_to(ROOT)} imports {alias.name} from {node.module}, which does not define it"
+                    )
+    assert not offenders, offenders

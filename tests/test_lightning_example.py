@@ -12,7 +12,7 @@ L = pytest.importorskip("lightning", reason="the lightning test extra is not ins
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from lightning_rlhf import PolicyModule  # noqa: E402
 
-from verl_core import arithmetic  # noqa: E402
+from verl_core.bundled import arithmetic  # noqa: E402
 
 
 class LossHistory(L.Callback):

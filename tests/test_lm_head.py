@@ -1,4 +1,4 @@
-"""The fused LM head (verl_core.lm_head): the same log-probs, entropies and gradients as the
+"""The fused LM head (verl_core.modeling.lm_head): the same log-probs, entropies and gradients as the
 model's own logits, for every model family it is enabled for."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_core import forward, lm_head, packing
-from verl_core.logprobs import entropy_from_logits, selected_logprobs
+from verl_core.data import packing
+from verl_core.modeling import forward, lm_head, packed_forward
+from verl_core.modeling.logprobs import entropy_from_logits, selected_logprobs
 
 
 def _reference(h, w, y, scale):
@@ -52,7 +53,7 @@ def test_every_fused_model_family_gives_its_own_logits_log_probs_and_gradients(t
     for fused in (False, True):
         model.zero_grad()
         batch = packing.collate_packed_pairs(pair_examples, tok.pad_token_id, fused_lm_head=fused)
-        lp = packing.model_token_logprobs(model, batch)[batch["loss_mask"].bool()]
+        lp = packed_forward.model_token_logprobs(model, batch)[batch["loss_mask"].bool()]
         lp.sum().backward()
         lps.append(lp.detach())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
@@ -61,7 +62,7 @@ def test_every_fused_model_family_gives_its_own_logits_log_probs_and_gradients(t
 
 
 def test_a_head_with_a_bias_or_soft_capped_logits_is_not_fused(tiny_path):
-    from verl_core.models import load_causal_lm
+    from verl_core.modeling.loading import load_causal_lm
 
     model = load_causal_lm(tiny_path)
     model.config.final_logit_softcapping = 30.0

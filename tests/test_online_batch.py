@@ -10,20 +10,21 @@ import pytest
 import torch
 
 from verl_core.algorithms.online_batch import gather_experience, minibatch_share, prompt_seeds
-from verl_core.rollout import HFRolloutBackend, SamplingParams
+from verl_core.rollout.contract import SamplingParams
+from verl_core.rollout.hf_backend import HFRolloutBackend
 
 pytestmark = pytest.mark.fast
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_path):
-    from verl_core.models import load_causal_lm, load_tokenizer
+    from verl_core.modeling.loading import load_causal_lm, load_tokenizer
 
     return load_causal_lm(tiny_path, trainable=False), load_tokenizer(tiny_path)
 
 
 def test_per_prompt_seeds_draw_the_same_samples_whatever_the_other_prompts(tiny):
-    from verl_core import arithmetic
+    from verl_core.bundled import arithmetic
 
     model, tok = tiny
     torch.set_num_threads(1)

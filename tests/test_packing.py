@@ -1,4 +1,4 @@
-"""Padding-free packing (verl_core.packing) computes exactly what the padded layout computes.
+"""Padding-free packing (verl_core.modeling.packed_forward) computes exactly what the padded layout computes.
 
 Losses and per-sequence log-probs are compared in fp32 against the padded path within 1e-5
 (absolute on losses, relative on summed log-probs of ~40 tokens), and in fp64 within 1e-9,
@@ -10,19 +10,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_core import arithmetic, forward, packing
-from verl_core.algorithms.reward_model import pair_rewards
+from verl_core.bundled import arithmetic
 from verl_core.data import (
     collate_pairs,
     collate_sequences,
     collate_sft,
+    packing,
     tokenize_prompts,
     tokenize_sft,
     tokenize_unpaired,
 )
 from verl_core.losses.preference import dpo_loss, sequence_logps
-from verl_core.models import load_causal_lm, load_reward_model, load_tokenizer
-from verl_core.packing import model_token_logprobs
+from verl_core.modeling import forward, packed_forward
+from verl_core.modeling.loading import load_causal_lm, load_reward_model, load_tokenizer
+from verl_core.modeling.packed_forward import model_token_logprobs, pair_rewards
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +64,11 @@ def test_shared_prompt_layout_and_mask():
     assert b["position_ids"].tolist() == [[0, 1, 2, 3, 2, 3, 4]]  # rejected restarts after the prompt
     assert b["packed_index"].tolist() == [[0, 1, 2, 3, -1], [0, 1, 4, 5, 6]]
     assert torch.equal(b["loss_mask"], collate_pairs(examples, 0)["loss_mask"])
-    mask = packing.packed_attention_mask(b)[0, 0]
+    mask = packed_forward.packed_attention_mask(b)[0, 0]
     sees = {q: [k for k in range(7) if mask[q, k]] for q in range(7)}
     assert sees[1] == [0, 1] and sees[3] == [0, 1, 2, 3]
     assert sees[4] == [0, 1, 4] and sees[6] == [0, 1, 4, 5, 6]  # rejected never sees chosen
-    additive = packing.packed_attention_mask(b, torch.float32)[0, 0]
+    additive = packed_forward.packed_attention_mask(b, torch.float32)[0, 0]
     assert additive[6, 2] == torch.finfo(torch.float32).min and additive[6, 5] == 0
 
 
@@ -76,7 +77,7 @@ def test_row_capacity_packs_first_fit_and_pads_rows_that_only_see_themselves():
     b = packing.collate_packed_sft(examples, pad_id=0, row_capacity=13)
     assert b["input_ids"].shape == (2, 13)
     assert packing.packing_stats(b)["computed_tokens"] == 24 and packing.packing_stats(b)["logical_tokens"] == 24
-    mask = packing.packed_attention_mask(b)[:, 0]
+    mask = packed_forward.packed_attention_mask(b)[:, 0]
     pad = b["segment_ids"] == 0
     assert bool(pad.any())
     for r, c in pad.nonzero().tolist():
@@ -104,7 +105,7 @@ def test_packed_sft_loss_and_gradients_equal_padded(tiny_path, tok, sft_examples
     assert packing.packing_stats(packed)["computed_tokens"] < padded["input_ids"].numel()
     loss_pad = _sft_loss(model_token_logprobs(model, padded), padded)
     grads_pad = torch.autograd.grad(loss_pad, list(model.parameters()))
-    loss_packed = _sft_loss(packing.packed_token_logprobs(model, packed), packed)
+    loss_packed = _sft_loss(packed_forward.packed_token_logprobs(model, packed), packed)
     grads_packed = torch.autograd.grad(loss_packed, list(model.parameters()))
     assert abs(loss_pad.item() - loss_packed.item()) < 1e-5
     for gp, gq in zip(grads_pad, grads_packed):
@@ -129,7 +130,7 @@ def test_packed_dpo_pair_logps_and_loss_equal_padded(tiny_path, tok, pair_exampl
     with torch.no_grad():
         ref = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"]) - 0.5
     s_pad = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"])
-    s_packed = sequence_logps(packing.packed_token_logprobs(model, packed), packed["loss_mask"])
+    s_packed = sequence_logps(packed_forward.packed_token_logprobs(model, packed), packed["loss_mask"])
     torch.testing.assert_close(s_packed, s_pad, rtol=1e-5, atol=1e-5)
     n = len(pair_examples)
     loss_pad = dpo_loss(s_pad[:n], s_pad[n:], ref[:n], ref[n:], 0.1).losses.mean()
@@ -146,7 +147,7 @@ def test_packed_pair_logps_are_the_same_computation_in_fp64(tiny_path, tok, pair
     packed = packing.collate_packed_pairs(pair_examples, tok.pad_token_id)
     with torch.no_grad():
         s_pad = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"])
-        s_packed = sequence_logps(packing.packed_token_logprobs(model, packed), packed["loss_mask"])
+        s_packed = sequence_logps(packed_forward.packed_token_logprobs(model, packed), packed["loss_mask"])
     assert (s_pad - s_packed).abs().max().item() < 1e-9
 
 
@@ -167,7 +168,7 @@ def test_packed_kto_rows_equal_padded(tiny_path, tok):
     assert packed["labels"].tolist() == [e["label"] for e in examples]
     with torch.no_grad():
         s_pad = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"])
-        s_packed = sequence_logps(packing.packed_token_logprobs(model, packed), packed["loss_mask"])
+        s_packed = sequence_logps(packed_forward.packed_token_logprobs(model, packed), packed["loss_mask"])
     torch.testing.assert_close(s_packed, s_pad, rtol=1e-5, atol=1e-5)
 
 
@@ -179,7 +180,7 @@ def test_packed_reward_scores_equal_padded(tiny_path, tok, pair_examples, share_
     packed = packing.collate_packed_pairs(pair_examples, tok.pad_token_id, share_prompt=share_prompt)
     seen = _mlp_rows(rm)
     c_pad, r_pad = pair_rewards(rm, padded)
-    c_packed, r_packed = packing.packed_pair_rewards(rm, packed)
+    c_packed, r_packed = packed_forward.packed_pair_rewards(rm, packed)
     assert seen[1] == 2 * len(pair_examples)  # the pruned last layer: each sequence's last token only
     torch.testing.assert_close(c_packed, c_pad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(r_packed, r_pad, rtol=1e-5, atol=1e-5)
@@ -205,7 +206,7 @@ def test_model_token_logprobs_and_entropies_of_packed_batches_also_without_logit
     with torch.no_grad():
         lp_pad, ent_pad = model_token_logprobs(model, padded, with_entropy=True)
         lp_packed, ent_packed = model_token_logprobs(model, packed, with_entropy=True)
-        no_logits_to_keep = packing.packed_token_logprobs(NoLogitsToKeep(model), packed)
+        no_logits_to_keep = packed_forward.packed_token_logprobs(NoLogitsToKeep(model), packed)
     need = padded["loss_mask"].bool().clone()
     need[:, 0] = False
     torch.testing.assert_close(lp_packed[need], lp_pad[need], rtol=1e-5, atol=1e-5)
@@ -216,23 +217,24 @@ def test_model_token_logprobs_and_entropies_of_packed_batches_also_without_logit
 def test_flash_attention_gets_no_mask_and_refuses_shared_prompts_a_custom_sdpa_kernel_gets_sdpas(tiny_path, tok, pair_examples):
     model = _model(tiny_path)
     model.config._attn_implementation = "flash_attention_2"
-    assert not packing.supports_shared_prompt(model)
+    assert not packed_forward.supports_shared_prompt(model)
     assert forward.can_prune_last_layer(model)  # pruning never touches the attention kernel
     shared = packing.collate_packed_pairs(pair_examples, tok.pad_token_id, share_prompt=True)
     with pytest.raises(ValueError, match="share_prompt=False"):
-        packing.packed_forward(model, shared)
+        packed_forward.packed_forward(model, shared)
     seen = {}
     model.forward = lambda **kw: seen.update(kw)  # no flash-attn kernel on CPU: check the call only
-    packing.packed_forward(model, packing.collate_packed_pairs(pair_examples, tok.pad_token_id, share_prompt=False))
+    packed_forward.packed_forward(model, packing.collate_packed_pairs(pair_examples, tok.pad_token_id, share_prompt=False))
     assert seen["attention_mask"] is None and seen["position_ids"] is not None
     model.config._attn_implementation = "sdpa_fp32_cpu"  # as bench/fp32_attention.py registers one
-    packing.packed_forward(model, shared)
-    assert seen["attention_mask"].dtype == torch.bool and packing.supports_shared_prompt(model)
+    packed_forward.packed_forward(model, shared)
+    assert seen["attention_mask"].dtype == torch.bool and packed_forward.supports_shared_prompt(model)
 
 
 def test_packed_response_logprobs_share_each_prompt_and_equal_the_padded_ones(tiny_path, tok):
-    from verl_core.forward import response_logprobs
-    from verl_core.rollout import HFRolloutBackend, SamplingParams
+    from verl_core.modeling.forward import response_logprobs
+    from verl_core.rollout.contract import SamplingParams
+    from verl_core.rollout.hf_backend import HFRolloutBackend
 
     model = _model(tiny_path)
     prompts = [e["prompt_ids"] for e in tokenize_prompts(arithmetic.prompt_rows(4), tok, 64)]
@@ -245,7 +247,9 @@ def test_packed_response_logprobs_share_each_prompt_and_equal_the_padded_ones(ti
     batch["response_mask"][0, 3:] = 0  # an early stop
     mask = batch["response_mask"].bool()
     lp_pad, ent_pad = response_logprobs(model, batch, scale=1 / 0.7, with_entropy=True)
-    lp_shared, ent_shared = packing.packed_response_logprobs(model, batch, tok.pad_token_id, scale=1 / 0.7, with_entropy=True)
+    lp_shared, ent_shared = packed_forward.packed_response_logprobs(
+        model, batch, tok.pad_token_id, scale=1 / 0.7, with_entropy=True
+    )
     torch.testing.assert_close(lp_shared[mask], lp_pad[mask], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent_shared[mask], ent_pad[mask], rtol=1e-5, atol=1e-5)
     assert not lp_shared[~mask].any() and not ent_pad[~mask].any()
@@ -328,7 +332,7 @@ def test_grpo_trainer_shared_prompt_update_equals_padded(tiny_path):
         progress=False,
         reward_fns=[lambda completions, truths: [len(c) / 10 for c in completions]],
     )
-    from verl_core.callbacks import Callback
+    from verl_core.train.callbacks import Callback
 
     class Updates(Callback, list):  # records every optimizer step's metrics
         def on_update(self, step, metrics):

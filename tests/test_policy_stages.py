@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from verl_core.algorithms.registry import ALGORITHMS
-from verl_core.fingerprint import fingerprint_path
-from verl_core.models import load_causal_lm
+from verl_core.data.fingerprint import fingerprint_path
+from verl_core.modeling.loading import load_causal_lm
 from verl_core.pipeline import StageRecord, load_pipeline_config, run_stage
 from verl_core.pipeline.runner import run_all_rounds
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
+from verl_core.train.callbacks import Callback
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one torch thread, accelerate state reset
 

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from verl_core import arithmetic
+from verl_core.bundled import arithmetic
 from verl_core.config import ConfigError
 from verl_core.data import load_rows, tokenize_pairs, tokenize_sft, tokenize_unpaired
-from verl_core.models import load_tokenizer
+from verl_core.modeling.loading import load_tokenizer
 from verl_core.preference_data import (
     PreferenceDataConfig,
     ShardMismatchError,
@@ -65,7 +65,7 @@ def test_pairs_respect_margin_and_train_a_reward_model(sft_path, tmp_path):
     """
     from verl_core.algorithms.reward_model import RewardTrainer
     from verl_core.evaluation import reward_model_accuracy
-    from verl_core.models import load_reward_model
+    from verl_core.modeling.loading import load_reward_model
 
     config = PreferenceDataConfig(
         n_samples=8,
@@ -260,7 +260,7 @@ def test_a_moved_workdir_keeps_the_fingerprint(tiny_path, tmp_path):
     folder give the same bytes (issue 18: a moved workdir recomputed the preference data)."""
     import shutil
 
-    from verl_core.fingerprint import fingerprint_path
+    from verl_core.data.fingerprint import fingerprint_path
 
     fingerprints = []
     for where in ("a", "elsewhere/b"):

@@ -45,11 +45,11 @@ import time
 import pytest
 import torch
 
-from verl_core import arithmetic
 from verl_core.algorithms.dpo import DPOTrainer
 from verl_core.algorithms.kto import KTOTrainer
+from verl_core.bundled import arithmetic
 from verl_core.evaluation import answer_accuracy, preference_margins
-from verl_core.models import load_causal_lm, load_tokenizer
+from verl_core.modeling.loading import load_causal_lm, load_tokenizer
 
 STEPS, BATCH = 100, 16
 OFFSETS = (1, 2)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from verl_core.progress import LineProgress, progress_bar
+from verl_core.train.progress import LineProgress, progress_bar
 
 ROOT = Path(__file__).resolve().parents[1]
 

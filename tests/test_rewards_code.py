@@ -6,10 +6,10 @@ import doctest
 
 import pytest
 
-from verl_core.agents.sandbox import SandboxLimits
 from verl_core.rewards import RULE_REWARDS, score_with_rules
 from verl_core.rewards import code as code_module
 from verl_core.rewards.code import code_output, code_output_details, extract_program
+from verl_core.sandbox.runner import SandboxLimits
 
 pytestmark = pytest.mark.fast
 

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verl_core.rollout import HFRolloutBackend, RolloutBackend, SamplingParams, _sample, filter_logits, position_ids_from_mask
+from verl_core.rollout.contract import RolloutBackend, SamplingParams, position_ids_from_mask
+from verl_core.rollout.hf_backend import HFRolloutBackend, _sample, filter_logits
 
 EOS, PAD, VOCAB = 5, 0, 16
 
@@ -82,14 +83,14 @@ def test_position_ids_skip_left_padding():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_path):
-    from verl_core.models import load_causal_lm, load_tokenizer
+    from verl_core.modeling.loading import load_causal_lm, load_tokenizer
 
     torch.manual_seed(0)
     return load_causal_lm(tiny_path, trainable=False), load_tokenizer(tiny_path)
 
 
 def _prompts(tok, n=3):
-    from verl_core import arithmetic
+    from verl_core.bundled import arithmetic
 
     return [tok(r["prompt"])["input_ids"] for r in arithmetic.prompt_rows(n)]
 
@@ -117,7 +118,7 @@ def test_same_seed_same_samples_other_seed_other_samples(tiny):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_a_fresh_forward_pass(tiny, temperature):
-    from verl_core.logprobs import selected_logprobs
+    from verl_core.modeling.logprobs import selected_logprobs
 
     model, tok = tiny
     prompts = [p[:k] for p, k in zip(_prompts(tok), (20, 11, 16))]
@@ -135,7 +136,7 @@ def test_logprobs_match_a_fresh_forward_pass(tiny, temperature):
 
 def test_greedy_matches_hf_generate_and_does_not_depend_on_chunking(tiny):
     from verl_core.evaluation import greedy_completions
-    from verl_core.rollout import decode_responses
+    from verl_core.rollout.contract import decode_responses
 
     model, tok = tiny
     prompts = [p[:k] for p, k in zip(_prompts(tok, 5), (20, 11, 16, 9, 18))]

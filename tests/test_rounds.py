@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from verl_core import arithmetic
 from verl_core.algorithms.rounds import IterativeDPOConfig, IterativeDPOTrainer, RFTConfig, RFTTrainer, round_prompts
+from verl_core.bundled import arithmetic
 from verl_core.config import ConfigError
-from verl_core.fingerprint import fingerprint_path
+from verl_core.data.fingerprint import fingerprint_path
 
 TINY = dict(max_steps=2, batch_size=4, save_steps=1, progress=False, rounds=2, prompts_per_round=16, mixed_precision="no")
 

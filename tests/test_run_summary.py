@@ -7,7 +7,7 @@ import time
 from verl_core.pipeline import PipelineConfig, StageRecord, load_pipeline_config
 from verl_core.pipeline.keys import section_for_key
 from verl_core.pipeline.run_summary import headline_metrics, key_params, pipeline_run_name, prefect_flow_run_url
-from verl_core.precision import resolve_mixed_precision
+from verl_core.train.precision import resolve_mixed_precision
 
 
 def test_parent_run_name_says_pipeline_algorithm_and_time():

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from verl_core.agents import sandbox
-from verl_core.agents.sandbox import SandboxLimits, SandboxResult, run_many, run_python, sandbox_isolation
 from verl_core.config import ConfigError
+from verl_core.sandbox import runner as sandbox
+from verl_core.sandbox.runner import SandboxLimits, SandboxResult, run_many, run_python, sandbox_isolation
 
 pytestmark = pytest.mark.fast
 

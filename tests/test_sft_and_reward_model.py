@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from verl_core import arithmetic
 from verl_core.algorithms.reward_model import RewardTrainer
+from verl_core.bundled import arithmetic
 from verl_core.evaluation import answer_accuracy, reward_model_accuracy
-from verl_core.models import load_causal_lm, load_reward_model, load_tokenizer
+from verl_core.modeling.loading import load_causal_lm, load_reward_model, load_tokenizer
 
 
 def test_sft_lowers_eval_loss_and_raises_exact_match(tiny_path, sft_path, tmp_path):

@@ -8,11 +8,11 @@ import logging
 import pytest
 import torch
 
-from verl_core import arithmetic
 from verl_core.algorithms.registry import ALGORITHMS
 from verl_core.algorithms.reward_model import RewardTrainer
 from verl_core.algorithms.sft import SFTTrainer
-from verl_core.models import load_causal_lm, load_tokenizer
+from verl_core.bundled import arithmetic
+from verl_core.modeling.loading import load_causal_lm, load_tokenizer
 
 QUIET = dict(progress=False, logging_steps=1)
 
@@ -51,7 +51,7 @@ def test_default_arguments_take_the_fast_path(tiny_path, name):
 
 
 def test_default_run_reports_its_speed_features_first(tiny_path, caplog):
-    from verl_core.callbacks import Callback
+    from verl_core.train.callbacks import Callback
 
     class Params(Callback):
         def on_train_begin(self, params):

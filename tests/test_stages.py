@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from verl_core.config import ConfigError
-from verl_core.fingerprint import fingerprint_path
+from verl_core.data.fingerprint import fingerprint_path
 from verl_core.pipeline import STAGES, PipelineConfig, StageRecord, given_record, load_pipeline_config, run_stage
 from verl_core.pipeline.keys import stage_dir, stage_key
 from verl_core.pipeline.registry import stage_enabled, stage_for
@@ -177,7 +177,7 @@ def test_missing_required_input_is_reported():
 
 
 def test_a_change_of_the_bundled_task_changes_the_key_of_stages_that_read_it(monkeypatch):
-    from verl_core import arithmetic
+    from verl_core.bundled import arithmetic
 
     cfg = PipelineConfig()
     before = {name: stage_key(cfg, name, _inputs()) for name in ("sft", "preference_data", "evaluation", "reward_model")}

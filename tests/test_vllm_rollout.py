@@ -7,13 +7,14 @@ import sys
 import pytest
 import torch
 
-from verl_core import arithmetic
+from verl_core.bundled import arithmetic
 from verl_core.data import tokenize_prompts
-from verl_core.forward import response_logprobs
-from verl_core.models import load_causal_lm, load_tokenizer
-from verl_core.rollout import HFRolloutBackend, SamplingParams
-from verl_core.rollout_backends import RolloutConfig, build_rollout_backend
-from verl_core.rollout_vllm import vllm_installed
+from verl_core.modeling.forward import response_logprobs
+from verl_core.modeling.loading import load_causal_lm, load_tokenizer
+from verl_core.rollout.contract import SamplingParams
+from verl_core.rollout.hf_backend import HFRolloutBackend
+from verl_core.rollout.registry import RolloutConfig, build_rollout_backend
+from verl_core.rollout.vllm_backend import vllm_installed
 
 # Measured on a 600-step SFT model of the embedded default, fp32, 2 cores, 64 prompts x 4 samples (3.9k
 # tokens): the largest |vLLM - HF| sampled-token log-prob was 2.3e-5 at T=1 and 2.2e-5 at T=0.7 (mean
@@ -25,7 +26,7 @@ needs_vllm = pytest.mark.skipif(not vllm_installed(), reason="vLLM is not instal
 
 
 def test_the_vllm_backend_without_vllm_names_the_extra(monkeypatch, tiny_path, tok):
-    from verl_core.rollout_vllm import VLLMUnavailableError
+    from verl_core.rollout.vllm_backend import VLLMUnavailableError
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     model = load_causal_lm(tiny_path, trainable=False)
@@ -35,7 +36,7 @@ def test_the_vllm_backend_without_vllm_names_the_extra(monkeypatch, tiny_path, t
 
 @needs_vllm
 def test_a_head_size_vllm_cannot_run_on_cpu_is_refused_before_an_engine_starts(small_lm, tok):
-    from verl_core.rollout_vllm import VLLMUnavailableError
+    from verl_core.rollout.vllm_backend import VLLMUnavailableError
 
     model = small_lm("llama", len(tok))  # head size 16
     with pytest.raises(VLLMUnavailableError, match="head size 16"):
@@ -56,7 +57,7 @@ def test_gpu_only_engine_options_are_refused_on_a_cpu_machine_before_an_engine_s
 
 
 def test_the_embedded_default_has_a_head_size_vllm_runs_on_cpu(tiny_path):
-    from verl_core.rollout_vllm import vllm_skip_reason
+    from verl_core.rollout.vllm_backend import vllm_skip_reason
 
     assert vllm_skip_reason(load_causal_lm(tiny_path, trainable=False).config, "cpu") is None
 
@@ -161,7 +162,7 @@ def test_after_an_optimizer_step_and_sync_weights_greedy_vllm_equals_hf_on_the_u
 
 @needs_vllm
 def test_a_lora_policy_is_synced_with_its_adapters_merged(sft_path, engine, prompts):
-    from verl_core.models import LoraSettings
+    from verl_core.modeling.loading import LoraSettings
 
     model = load_causal_lm(sft_path, lora=LoraSettings(r=4, alpha=8))
     tok = load_tokenizer(sft_path)
@@ -275,7 +276,7 @@ def test_the_evaluation_stage_scores_the_same_greedy_answers_with_either_backend
 
 @pytest.mark.fast
 def test_engine_dtype_auto_follows_mixed_precision_on_a_gpu_and_the_policy_elsewhere():
-    from verl_core.rollout_backends import _auto_dtype
+    from verl_core.rollout.registry import _auto_dtype
 
     fp32 = torch.nn.Linear(2, 2)
     assert _auto_dtype(fp32, torch.bfloat16, "cuda") == "bfloat16"  # fp32 master weights, bf16 forwards: sample in bf16

@@ -12,12 +12,14 @@ from verl_core.algorithms.ppo import Trainer
 from verl_core.algorithms.registry import ALGORITHMS, Algorithm, get_algorithm
 from verl_core.algorithms.reward_model import RewardConfig, RewardTrainer
 from verl_core.algorithms.sft import SFTConfig, SFTTrainer
-from verl_core.callbacks import Callback, ConsoleCallback, MLflowCallback
+from verl_core.bundled.tiny_model import tiny_model_path
 from verl_core.config import ConfigError
 from verl_core.data import DataError
-from verl_core.engine import Engine, LossOutput, TrainConfig, TrainingError, TrainResult
-from verl_core.models import LoraSettings, ModelLoadError, load_causal_lm, load_reward_model, load_tokenizer
-from verl_core.tiny import tiny_model_path
+from verl_core.errors import TrainingError
+from verl_core.modeling.loading import LoraSettings, ModelLoadError, load_causal_lm, load_reward_model, load_tokenizer
+from verl_core.train.callbacks import Callback, ConsoleCallback, MLflowCallback
+from verl_core.train.config import TrainConfig
+from verl_core.train.engine import Engine, LossOutput, TrainResult
 
 # DPOTrainer, DPOConfig, KTOTrainer, ..., ReinforcePPTrainer, ReinforcePPConfig
 _ALGORITHM_EXPORTS = {cls.__name__: cls for a in ALGORITHMS.values() for cls in (a.trainer, a.config_cls)}

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from verl_core.data import collate_pairs, pad_to, tokenize_pairs, tokenize_prompts
-from verl_core.packing import model_token_logprobs
+from verl_core.modeling.packed_forward import model_token_logprobs
 
 
 @torch.no_grad()
@@ -15,9 +15,9 @@ def greedy_completions(
     model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int = 32, batch_size: int = 64, backend=None
 ) -> list[str]:
     """Greedy decode (KV cache, left padding, stop at EOS) and return the decoded completions; with a
-    rollout ``backend`` (:mod:`verl_core.rollout_backends`), through it."""
+    rollout ``backend`` (:mod:`verl_core.rollout.registry`), through it."""
     if backend is not None:
-        from verl_core.rollout import SamplingParams, decode_responses
+        from verl_core.rollout.contract import SamplingParams, decode_responses
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, batch_size=batch_size)
         return decode_responses(tokenizer, backend.generate(prompt_ids, params))
@@ -89,7 +89,7 @@ def preference_margins(model, tokenizer, rows: Any, batch_size: int = 64, max_le
 
 @torch.no_grad()
 def reward_model_accuracy(reward_model, tokenizer, rows: Any, batch_size: int = 64, max_length: int = 512) -> float:
-    from verl_core.algorithms.reward_model import pair_rewards
+    from verl_core.modeling.packed_forward import pair_rewards
 
     was_training = reward_model.training
     reward_model.eval()

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from verl_core.data import tokenize_prompts
-from verl_core.models import DType, LoraSettings, load_causal_lm, load_tokenizer, save_pretrained_atomic
-from verl_core.rollout import HFRolloutBackend, SamplingParams, decode_responses
+from verl_core.modeling.loading import DType, LoraSettings, load_causal_lm, load_tokenizer, save_pretrained_atomic
+from verl_core.rollout.contract import SamplingParams, decode_responses
+from verl_core.rollout.hf_backend import HFRolloutBackend
 
 
 class LLMPolicy:

@@ -1,6 +1,6 @@
 """Agentic RL: tools, tool-call parsers, multi-turn episodes over the rollout backends, agent tasks.
 
-``verl_core.agents.sandbox`` (the python tool's child-process sandbox) is imported only when a
+``verl_core.sandbox.runner`` (the python tool's child-process sandbox) is imported only when a
 program runs.
 """
 

@@ -27,7 +27,7 @@ from verl_core.agents.episodes import AgentLoop, Episode, episode_metrics
 from verl_core.agents.parsers import TOOL_CALL_PARSERS, get_parser
 from verl_core.agents.tools import TOOLS, get_tools
 from verl_core.config import StrictConfig
-from verl_core.rollout import RolloutBackend, RolloutBatch, SamplingParams
+from verl_core.rollout.contract import RolloutBackend, RolloutBatch, SamplingParams
 
 Rows = Callable[[int], list[dict]]
 
@@ -155,7 +155,7 @@ def evaluate_episodes(
 ) -> tuple[float, list[float], list[Episode]]:
     """Greedy episodes on held-out rows: mean rule reward (of the policy's text), each score, the episodes."""
     from verl_core.rewards.rules import get_rule_reward
-    from verl_core.rollout import decode_responses
+    from verl_core.rollout.contract import decode_responses
 
     examples = tokenize_agent_prompts(loop, rows, max_prompt_length)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)

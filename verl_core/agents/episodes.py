@@ -1,7 +1,7 @@
 """Multi-turn episodes over any rollout backend: the policy's turns alternate with tool results.
 
 The turn loop (:meth:`AgentLoop.run`) lives here, outside the backends, which only ever continue
-token lists (:meth:`~verl_core.rollout.RolloutBackend.generate`). Each call continues every active
+token lists (:meth:`~verl_core.rollout.contract.RolloutBackend.generate`). Each call continues every active
 episode by one policy turn, its whole history so far as the prompt; a turn that ends with EOS and
 calls tools gets their answers appended (:class:`~verl_core.agents.chat.ChatFormat`) and stays
 active; a turn without a call is the final answer. An episode also ends when it reaches
@@ -12,7 +12,7 @@ Sampling is n=1 per continuation with a seed per episode and turn (:func:`episod
 episode is a pure function of (weights, prompt, its seed) whatever else is in the batch: a resumed
 run or another split of prompts over processes samples the same episodes.
 
-The result is a :class:`~verl_core.rollout.RolloutBatch` the online trainers take as it is:
+The result is a :class:`~verl_core.rollout.contract.RolloutBatch` the online trainers take as it is:
 ``response_ids`` is the whole continuation, ``response_attention_mask`` covers all of it and
 ``response_mask`` (loss, log-probs, rewards, advantages) only the tokens the policy sampled, with
 the sampler's log-probs there and 0 on tool tokens.
@@ -31,7 +31,7 @@ from verl_core.agents.chat import ChatFormat
 from verl_core.agents.parsers import ToolCallParser
 from verl_core.agents.tools import Tool, ToolCall, ToolResult, call_tools
 from verl_core.data import pad_to
-from verl_core.rollout import RolloutBackend, RolloutBatch, SamplingParams
+from verl_core.rollout.contract import RolloutBackend, RolloutBatch, SamplingParams
 
 
 def _mix(*parts: int) -> int:

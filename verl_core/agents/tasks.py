@@ -11,7 +11,7 @@ and the result into its answer. One episode, in the ``pythonic`` call format::
     tool       167
     assistant  #### 167
 
-Splits are seeded like :mod:`verl_core.arithmetic`: held-out questions never appear in the
+Splits are seeded like :mod:`verl_core.bundled.arithmetic`: held-out questions never appear in the
 training or prompt splits. :func:`sft_rows` shows the tool use as chat ``messages`` rows, one per
 assistant turn (the SFT data format puts the loss on the last assistant message, so each turn is
 a row of its own and tool results are context only), on a minority of the problems; the others are
@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass
 
 from verl_core.agents.environments import Environment, register_environment
-from verl_core.arithmetic import ITEMS, NAMES, seeded_split
+from verl_core.bundled.arithmetic import ITEMS, NAMES, seeded_split
 
 TRAIN_SEED, EVAL_SEED, PROMPT_SEED = 21, 22, 23
 

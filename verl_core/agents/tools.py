@@ -10,7 +10,7 @@ rejects, or an exception in the tool into a :class:`ToolResult` with ``ok=False`
 model reads as the tool's answer (what verl's and TRL's agent loops do), and the episode counts it.
 
 Bundled tools: ``calculator`` (integer/decimal arithmetic, parsed with :mod:`ast`, never ``eval``)
-and ``python`` (a program run by :func:`verl_core.agents.sandbox.run_python` in a child process
+and ``python`` (a program run by :func:`verl_core.sandbox.runner.run_python` in a child process
 with rlimits, a timeout and no network; its stdout is the answer).
 """
 
@@ -216,7 +216,7 @@ def _sandbox_answer(result: Any) -> ToolResult:
 
 
 def run_python_tool(code: str) -> str:
-    from verl_core.agents.sandbox import run_python  # imported when used: the sandbox is its own module
+    from verl_core.sandbox.runner import run_python  # imported when used: the sandbox is its own module
 
     answer = _sandbox_answer(run_python(code))
     if not answer.ok:
@@ -225,7 +225,7 @@ def run_python_tool(code: str) -> str:
 
 
 def run_python_batch(arguments: list[dict[str, Any]]) -> list[ToolResult]:
-    from verl_core.agents.sandbox import run_many
+    from verl_core.sandbox.runner import run_many
 
     return [_sandbox_answer(r) for r in run_many([a["code"] for a in arguments])]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_core import arithmetic
 from verl_core.agents.environments import get_environment, tokenize_agent_prompts
 from verl_core.agents.episodes import AgentLoop
+from verl_core.bundled import arithmetic
 from verl_core.data import tokenize_prompts
 
 
@@ -24,10 +24,10 @@ def online_prompts(config, prompts: Any, tokenizer, agent: AgentLoop | None) -> 
 
 def evaluate_agent(trainer, lm) -> dict[str, float]:
     """Held-out accuracy of greedy episodes (``eval/accuracy``), their tool metrics (``eval/agent/*``),
-    and the first episodes as a table (:meth:`~verl_core.callbacks.Callback.on_table`)."""
+    and the first episodes as a table (:meth:`~verl_core.train.callbacks.Callback.on_table`)."""
     from verl_core.agents.environments import evaluate_episodes
     from verl_core.agents.episodes import episode_metrics, trajectory_table
-    from verl_core.rollout import HFRolloutBackend
+    from verl_core.rollout.hf_backend import HFRolloutBackend
 
     c, tok = trainer.config, trainer.policy.tokenizer
     backend = HFRolloutBackend(lm, tok.eos_token_id, tok.pad_token_id)

@@ -2,8 +2,8 @@
 
 In the synchronous loop the trainer samples step ``s``, then updates on it, and the sampler idles
 while the trainer trains (and the reverse). Here ``async_rollout.workers`` processes
-(:mod:`verl_core.rollout_worker`; Ray actors when the trainer runs inside a Ray job,
-:mod:`verl_core.rollout_worker_ray`) sample, and the batch of step ``s`` may have been sampled with
+(:mod:`verl_core.rollout.worker`; Ray actors when the trainer runs inside a Ray job,
+:mod:`verl_core.rollout.ray_actor`) sample, and the batch of step ``s`` may have been sampled with
 the weights of any version ``v >= s - max_staleness`` (version ``v``: the weights after ``v``
 updates). With ``max_staleness = 1`` the worker samples step ``s + 1`` while the trainer trains
 step ``s``: verl's one-step-off-policy recipe; larger bounds are AReaL's staleness-bounded
@@ -26,7 +26,7 @@ Start-up: spawning a worker costs seconds (imports, building its copy). With
 current weights (staleness 0), until every worker is ready, then hands the next steps to them: the
 start-up overlaps training instead of stalling it.
 
-:class:`AsyncRolloutBackend` is what the trainer sees: a :class:`~verl_core.rollout.RolloutBackend`
+:class:`AsyncRolloutBackend` is what the trainer sees: a :class:`~verl_core.rollout.contract.RolloutBackend`
 whose ``generate`` returns the queued batch of the engine's current step (checked against the
 prompts and seed the trainer asked for) and whose ``sync_weights`` publishes the next version.
 Workers start at the first ``generate``, i.e. after the engine resumed: a resumed run samples from
@@ -48,10 +48,10 @@ import torch
 from verl_core.algorithms.sampling import step_request
 from verl_core.config import ConfigError
 from verl_core.errors import TrainingError
-from verl_core.rollout import RolloutBatch
-from verl_core.rollout_backends import build_rollout_backend
-from verl_core.rollout_worker import WeightStore, WorkerProcess, WorkerSpec, batch_from_bytes
-from verl_core.rollout_worker_ray import ObjectStoreWeights, WorkerActor, inside_ray
+from verl_core.rollout.contract import RolloutBatch
+from verl_core.rollout.ray_actor import ObjectStoreWeights, WorkerActor, inside_ray
+from verl_core.rollout.registry import build_rollout_backend
+from verl_core.rollout.worker import WeightStore, WorkerProcess, WorkerSpec, batch_from_bytes
 
 log = logging.getLogger("verl_core")
 

@@ -14,17 +14,20 @@ import torch
 from pydantic import Field
 
 from verl_core.algorithms.speed import describe, resolve_speed
-from verl_core.callbacks import Callback
 from verl_core.config import ConfigError, StrictConfig
-from verl_core.engine import Engine, LossOutput, TrainConfig, TrainingError, TrainResult, steps_for
-from verl_core.models import load_causal_lm, load_tokenizer, save_pretrained_atomic
+from verl_core.errors import TrainingError
+from verl_core.modeling.loading import load_causal_lm, load_tokenizer, save_pretrained_atomic
+from verl_core.train.batches import steps_for
+from verl_core.train.callbacks import Callback
+from verl_core.train.config import TrainConfig
+from verl_core.train.engine import Engine, LossOutput, TrainResult
 
 FINAL_MODEL_DIR = "model"
 log = logging.getLogger("verl_core")
 
 
 class PackingSettings(StrictConfig):
-    """Padding-free batches (:mod:`verl_core.packing`): sequences laid end to end with their own
+    """Padding-free batches (:mod:`verl_core.modeling.packed_forward`): sequences laid end to end with their own
     position ids and a block-diagonal causal mask, so no pad token is computed. Losses equal
     the padded layout's (tests/test_packing.py)."""
 
@@ -41,7 +44,7 @@ class PackingSettings(StrictConfig):
     prune_last_layer: bool = Field(
         True,
         description="with packing: the last decoder layer runs o_proj and its MLP only "
-        "where the loss reads a logit or score (verl_core.forward.PRUNABLE_LAYERS; "
+        "where the loss reads a logit or score (verl_core.modeling.forward.PRUNABLE_LAYERS; "
         "other models run it in full)",
     )
 
@@ -51,8 +54,8 @@ class LMHeadSettings(StrictConfig):
 
     fused_lm_head: bool = Field(
         True,
-        description="log-probs straight from the last hidden states, the LM head and the log-softmax fused per "
-        "chunk of rows (verl_core.lm_head; models of verl_core.forward.FUSED_HEAD_MODELS, others use their logits)",
+        description="log-probs straight from the last hidden states, the LM head and the log-softmax fused per chunk of "
+        "rows (verl_core.modeling.lm_head; models of verl_core.modeling.forward.FUSED_HEAD_MODELS, others use their logits)",
     )
 
 

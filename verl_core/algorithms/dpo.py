@@ -25,9 +25,9 @@ from pydantic import Field
 from verl_core.algorithms.preference import PreferenceConfig, PreferenceTrainer, attach_reference, pair_metrics
 from verl_core.data import collate_pairs, tokenize_pairs
 from verl_core.data.packing import collate_packed_pairs
-from verl_core.engine import LossOutput
 from verl_core.losses.preference import dpo_loss, orpo_loss, sequence_logps, sequence_mean_logps, simpo_loss
-from verl_core.packing import model_token_logprobs
+from verl_core.modeling.packed_forward import model_token_logprobs
+from verl_core.train.engine import LossOutput
 
 DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"]
 REFERENCE_FREE = ("simpo", "orpo")

@@ -29,12 +29,13 @@ import torch
 from pydantic import Field, model_validator
 
 from verl_core.algorithms.base import PackingSettings
-from verl_core.algorithms.online import KLKind, OnlineConfig, OnlineTrainer
+from verl_core.algorithms.online import OnlineTrainer
+from verl_core.algorithms.online_config import KLKind, OnlineConfig
 from verl_core.algorithms.sampling import dynamic_collect, overlong_penalty
-from verl_core.forward import attn_implementation
 from verl_core.losses.advantages import ADVANTAGE_ESTIMATORS
 from verl_core.losses.masked import masked_mean
-from verl_core.packing import packed_response_logprobs, supports_shared_prompt
+from verl_core.modeling.forward import attn_implementation
+from verl_core.modeling.packed_forward import packed_response_logprobs, supports_shared_prompt
 
 # The group estimators: every registered estimator but GAE, which needs a critic (PPO's).
 GROUP_ESTIMATORS = tuple(name for name in ADVANTAGE_ESTIMATORS if name != "gae")

@@ -35,9 +35,9 @@ from pydantic import Field
 from verl_core.algorithms.preference import PreferenceConfig, PreferenceTrainer, attach_reference
 from verl_core.data import DataError, collate_sequences, tokenize_unpaired
 from verl_core.data.packing import collate_packed_kto
-from verl_core.engine import LossOutput
 from verl_core.losses.preference import kto_loss, mismatched_indices, sequence_logps
-from verl_core.packing import model_token_logprobs
+from verl_core.modeling.packed_forward import model_token_logprobs
+from verl_core.train.engine import LossOutput
 
 
 class KTOConfig(PreferenceConfig):

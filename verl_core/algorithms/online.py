@@ -5,7 +5,7 @@ One training step (the RLHF loop of Ziegler et al. 2019, arXiv:1909.08593, and O
 
 1. take ``batch_size / num_generations`` prompts (a seeded permutation: a pure function of
    ``(seed, step)``, so a resumed run sees the same prompts),
-2. sample ``num_generations`` completions per prompt (:mod:`verl_core.rollout`, seeded),
+2. sample ``num_generations`` completions per prompt (:mod:`verl_core.rollout.contract`, seeded),
 3. score them (:class:`~verl_core.rewards.RewardSource`),
 4. without gradients: old log-probs, reference log-probs (only when a KL term is on), values,
 5. advantages (the algorithm's :meth:`OnlineTrainer.compute_advantages`: GAE, GRPO, RLOO, ...),
@@ -51,23 +51,24 @@ from verl_core.algorithms.agentic import evaluate_agent, online_prompts
 from verl_core.algorithms.async_rollout import build_backend
 from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
 from verl_core.algorithms.online_batch import gather_experience, gather_rows, mean_over_ranks, minibatch_share
-from verl_core.algorithms.online_config import KLKind, OnlineConfig  # noqa: F401  (KLKind: part of this module's API)
+from verl_core.algorithms.online_config import OnlineConfig
 from verl_core.algorithms.sampling import step_request
 from verl_core.algorithms.speed import describe, resolve_speed
-from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
-from verl_core.engine import Engine, LossOutput, TrainResult
-from verl_core.forward import response_logprobs
 from verl_core.losses.advantages import outcome_token_rewards
 from verl_core.losses.correction import correct_rollout_mismatch, rollout_mismatch
 from verl_core.losses.masked import masked_mean
 from verl_core.losses.policy import POLICY_LOSSES, AdaptiveKLController, FixedKLController, aggregate, kl_penalty, kl_summary
-from verl_core.models import save_pretrained_atomic
+from verl_core.modeling.forward import response_logprobs
+from verl_core.modeling.loading import save_pretrained_atomic
 from verl_core.policies import LLMPolicy
-from verl_core.precision import AUTOCAST_DTYPES, allow_precision_change
 from verl_core.rewards.model import RewardModel, RewardSource, UserRewards
-from verl_core.rollout import HFRolloutBackend, RolloutBackend, RolloutBatch, SamplingParams, decode_responses
-from verl_core.rollout_backends import close_backend
+from verl_core.rollout.contract import RolloutBackend, RolloutBatch, SamplingParams, decode_responses
+from verl_core.rollout.hf_backend import HFRolloutBackend
+from verl_core.rollout.registry import close_backend
+from verl_core.train.callbacks import Callback
+from verl_core.train.engine import Engine, LossOutput, TrainResult
+from verl_core.train.precision import AUTOCAST_DTYPES, allow_precision_change
 
 log = logging.getLogger("verl_core")
 

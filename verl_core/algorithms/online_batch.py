@@ -20,7 +20,7 @@ _FULL_WIDTH = ("input_ids", "attention_mask", "position_ids")
 
 def check_split(config, mini_batch_size: int, processes: int) -> None:
     """Whole groups per process: the step's prompts and each mini-batch must divide over the processes."""
-    from verl_core.engine import TrainingError
+    from verl_core.errors import TrainingError
 
     prompts = config.batch_size // config.num_generations
     if prompts % processes or mini_batch_size % (processes * config.gradient_accumulation_steps):
@@ -46,7 +46,7 @@ def gather_experience(exp: dict[str, torch.Tensor], accelerator, pad_token_id: i
     responses right-padded to the longest response."""
     if accelerator.num_processes == 1:
         return exp
-    from verl_core.rollout import position_ids_from_mask
+    from verl_core.rollout.contract import position_ids_from_mask
 
     r = exp["response_ids"].shape[1]
     p = exp["input_ids"].shape[1] - r

@@ -11,11 +11,11 @@ from pydantic import Field, model_validator
 from verl_core.agents.environments import AgentSettings
 from verl_core.algorithms.async_config import AsyncRolloutConfig, check_async_config
 from verl_core.algorithms.base import LMHeadSettings
-from verl_core.engine import TrainConfig
 from verl_core.losses.correction import ROLLOUT_CORRECTIONS
 from verl_core.losses.policy import AGG_MODES, POLICY_LOSSES
 from verl_core.rewards.model import RewardSourceConfig
-from verl_core.rollout_backends import RolloutConfig
+from verl_core.rollout.registry import RolloutConfig
+from verl_core.train.config import TrainConfig
 
 KLKind = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"]
 PolicyLossName = Literal[tuple(POLICY_LOSSES)]  # type: ignore[valid-type]

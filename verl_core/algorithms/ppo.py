@@ -27,11 +27,12 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from verl_core.algorithms.online import OnlineConfig, OnlineTrainer
-from verl_core.logprobs import scaled_logprobs
+from verl_core.algorithms.online import OnlineTrainer
+from verl_core.algorithms.online_config import OnlineConfig
 from verl_core.losses.advantages import gae_advantages
 from verl_core.losses.masked import masked_mean, masked_var, masked_whiten
 from verl_core.losses.policy import ppo_value_loss
+from verl_core.modeling.logprobs import scaled_logprobs
 
 
 class PPOConfig(OnlineConfig):

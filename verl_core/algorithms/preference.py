@@ -36,11 +36,13 @@ from pydantic import Field
 from verl_core.algorithms.base import LMHeadSettings, OfflineTrainer, PairPackingSettings
 from verl_core.config import ConfigError
 from verl_core.data.formats import LongPromptPolicy
-from verl_core.engine import Engine, TrainConfig, steps_for
 from verl_core.losses.preference import sequence_logps
-from verl_core.models import LoraSettings, is_peft, load_causal_lm
-from verl_core.packing import model_token_logprobs
-from verl_core.precision import allow_precision_change
+from verl_core.modeling.loading import LoraSettings, is_peft, load_causal_lm
+from verl_core.modeling.packed_forward import model_token_logprobs
+from verl_core.train.batches import steps_for
+from verl_core.train.config import TrainConfig
+from verl_core.train.engine import Engine
+from verl_core.train.precision import allow_precision_change
 
 REF_KEY = "ref_logps"
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from verl_core import packing
 from verl_core.algorithms.base import OfflineTrainer, PairPackingSettings
-from verl_core.data import collate_pairs, tokenize_pairs
+from verl_core.data import collate_pairs, packing, tokenize_pairs
 from verl_core.data.formats import LongPromptPolicy
-from verl_core.engine import LossOutput, TrainConfig
 from verl_core.losses.reward import bradley_terry_loss
-from verl_core.models import load_reward_model
+from verl_core.modeling.loading import load_reward_model
+from verl_core.modeling.packed_forward import pair_rewards
+from verl_core.train.config import TrainConfig
+from verl_core.train.engine import LossOutput
 
 
 class RewardConfig(TrainConfig, PairPackingSettings):
@@ -21,15 +22,6 @@ class RewardConfig(TrainConfig, PairPackingSettings):
     on_long_prompt: LongPromptPolicy = "error"
     center_rewards_coefficient: float = Field(0.0, ge=0)
     margin: float | None = Field(None, description="constant margin m in -logσ(r_c - r_r - m)")
-
-
-def pair_rewards(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scalar rewards of the chosen and rejected halves of a :func:`collate_pairs` batch (or a packed one)."""
-    if packing.is_packed(batch):
-        return packing.packed_pair_rewards(model, batch)
-    scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, 0].float()
-    half = scores.shape[0] // 2
-    return scores[:half], scores[half:]
 
 
 class RewardTrainer(OfflineTrainer):

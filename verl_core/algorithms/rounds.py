@@ -27,12 +27,13 @@ from pydantic import Field
 from verl_core.algorithms.base import FINAL_MODEL_DIR
 from verl_core.algorithms.dpo import DPOConfig, DPOTrainer
 from verl_core.algorithms.sft import SFTConfig, SFTTrainer
-from verl_core.callbacks import Callback
 from verl_core.config import ConfigError, StrictConfig
-from verl_core.engine import TrainingError, TrainResult
+from verl_core.errors import TrainingError
 from verl_core.preference_data import PreferenceDataConfig, derive_seed, generate_preference_data
 from verl_core.rewards.model import RewardSourceConfig
-from verl_core.rollout import SamplingParams
+from verl_core.rollout.contract import SamplingParams
+from verl_core.train.callbacks import Callback
+from verl_core.train.engine import TrainResult
 
 ROUND_DIR = "round-{:02d}"
 

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from verl_core.engine import micro_batch_indices
-from verl_core.rollout import RolloutBatch, concat_rollouts
+from verl_core.rollout.contract import RolloutBatch, concat_rollouts
+from verl_core.train.batches import micro_batch_indices
 
 if TYPE_CHECKING:
     from verl_core.algorithms.online_config import OnlineConfig

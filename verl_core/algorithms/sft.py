@@ -8,8 +8,9 @@ from verl_core.algorithms.base import LMHeadSettings, OfflineTrainer, PackingSet
 from verl_core.data import collate_sft, tokenize_sft
 from verl_core.data.formats import LongPromptPolicy
 from verl_core.data.packing import collate_packed_sft
-from verl_core.engine import LossOutput, TrainConfig
-from verl_core.packing import model_token_logprobs
+from verl_core.modeling.packed_forward import model_token_logprobs
+from verl_core.train.config import TrainConfig
+from verl_core.train.engine import LossOutput
 
 
 class SFTConfig(TrainConfig, PackingSettings, LMHeadSettings):

@@ -4,7 +4,7 @@ Defaults (each a config switch that turns it off): padding-free packing (``packi
 each prompt for the completions that share it (``share_prompt``), the last decoder layer computed
 only where the loss reads (``prune_last_layer``), log-probs without a full-vocabulary fp32 log-
 softmax (always), log-probs straight from the hidden states with the LM head fused into the log-
-softmax per chunk of rows (``fused_lm_head``, :mod:`verl_core.lm_head`), and the reference scored
+softmax per chunk of rows (``fused_lm_head``, :mod:`verl_core.modeling.lm_head`), and the reference scored
 once before training where that pays (``precompute_ref_logps="auto"``, see
 :mod:`verl_core.algorithms.preference`). A model the fast path does not fit trains on the plain
 path, with one log line saying what was turned off and why.
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from verl_core import packing
-from verl_core.forward import attn_implementation, fused_head_skip_reason, prune_skip_reason
+from verl_core.modeling import packed_forward
+from verl_core.modeling.forward import attn_implementation, fused_head_skip_reason, prune_skip_reason
 
 log = logging.getLogger("verl_core")
 
@@ -43,10 +43,10 @@ def resolve_speed(
     changes: dict[str, Any] = {}
     why: dict[str, str] = {}
     if "packing" in fields and config.packing:
-        reason = unsupported or packing.packing_unsupported(model, needs_score_head)
+        reason = unsupported or packed_forward.packing_unsupported(model, needs_score_head)
         if reason:
             changes["packing"], why["packing"] = False, reason
-        elif getattr(config, "share_prompt", False) and not packing.supports_shared_prompt(model):
+        elif getattr(config, "share_prompt", False) and not packed_forward.supports_shared_prompt(model):
             changes["share_prompt"] = False
             why["share_prompt"] = (
                 f"{attn_implementation(model)} attention takes no mask to share a prompt between completions (packing stays on)"

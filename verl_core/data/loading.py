@@ -12,7 +12,7 @@ import datasets
 
 from verl_core.data.errors import DataError
 from verl_core.data.files import READERS, check_column_types
-from verl_core.hub import hub_id, hub_offline, not_found_hint
+from verl_core.data.hub import hub_id, hub_offline, not_found_hint
 
 
 def load_rows(source: Any, split: str = "train") -> datasets.Dataset:
@@ -21,7 +21,7 @@ def load_rows(source: Any, split: str = "train") -> datasets.Dataset:
     ``source`` may be a Dataset, a DatasetDict (``split`` is taken), a list of dicts,
     a file path (``.jsonl``, ``.json``, ``.parquet``, ``.csv``, optionally ``.gz``), a
     folder written by ``save_to_disk``, or a hub dataset id written ``hf://org/name`` (needs network;
-    see :mod:`verl_core.hub`).
+    see :mod:`verl_core.data.hub`).
     """
     ds = _load(source, split)
     if len(ds) == 0:

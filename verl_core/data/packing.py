@@ -40,7 +40,7 @@ sequence boundaries from the restarting ``position_ids`` (prefix sharing is then
 expressible: use ``share_prompt=False``, see :func:`supports_shared_prompt`).
 
 :func:`model_token_logprobs` is the entry point of the trainers: it runs a padded or a packed
-batch. The forward functions that read packed batches live in :mod:`verl_core.packing`.
+batch. The forward functions that read packed batches live in :mod:`verl_core.modeling.packed_forward`.
 
 A packed batch has no ``attention_mask`` key on purpose: code that does not know the
 layout fails loudly instead of reading packed rows as padded ones.
@@ -54,8 +54,8 @@ from typing import Union
 import torch
 
 PACKED_KEY = "packed_index"
-PRUNE_KEY = "prune_last_layer"  # 0-dim bool in a packed batch: see verl_core.forward.last_layer_only_at
-FUSED_HEAD_KEY = "fused_lm_head"  # 0-dim bool in a packed batch: see verl_core.lm_head
+PRUNE_KEY = "prune_last_layer"  # 0-dim bool in a packed batch: see verl_core.modeling.forward.last_layer_only_at
+FUSED_HEAD_KEY = "fused_lm_head"  # 0-dim bool in a packed batch: see verl_core.modeling.lm_head
 
 
 def is_packed(batch: object) -> bool:
@@ -88,7 +88,7 @@ def collate_packed(
     the padded layout would (the best choice when attention cost grows with the row, e.g. SDPA
     with a dense mask on CPU), while short units still share rows. ``prune_last_layer`` and
     ``fused_lm_head`` are recorded in the batch for the forward functions
-    (:func:`verl_core.forward.last_layer_only_at`, :func:`verl_core.lm_head.linear_logprobs`).
+    (:func:`verl_core.modeling.forward.last_layer_only_at`, :func:`verl_core.modeling.lm_head.linear_logprobs`).
     """
     n_units, n_branches = len(prompts), len(completions)
     if any(len(c) != n_units for c in completions):

@@ -35,8 +35,8 @@ from verl_core.config import ConfigError, StrictConfig
 from verl_core.pipeline.launcher_config import LauncherConfig
 from verl_core.preference_data import PreferenceDataConfig
 from verl_core.rewards.model import RewardSourceConfig
-from verl_core.rollout import SamplingParams
-from verl_core.rollout_backends import RolloutConfig
+from verl_core.rollout.contract import SamplingParams
+from verl_core.rollout.registry import RolloutConfig
 
 EXACT_MATCH = {"exact_match": 1.0}
 _STAGE_LAUNCHER = "this stage's launcher; null = the pipeline's `launcher`"

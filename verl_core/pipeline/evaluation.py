@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from verl_core import arithmetic
+from verl_core.bundled import arithmetic
 from verl_core.pipeline.data import agent_environment, bundled_rows, data_label, load_data, prompt_rows
 from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOutput, Step
 from verl_core.pipeline.report import plot_report, write_csv
-from verl_core.rollout_backends import RolloutConfig, build_rollout_backend, close_backend
+from verl_core.rollout.registry import RolloutConfig, build_rollout_backend, close_backend
 
 
 def _bundled(cfg) -> list[dict] | None:
@@ -42,7 +42,7 @@ def score_policy(
     the answers are the policy's text, and ``agent/*`` tool metrics and the trajectory table are added."""
     from verl_core.data import tokenize_prompts
     from verl_core.evaluation import answer_rewards, greedy_completions
-    from verl_core.models import load_causal_lm, load_tokenizer
+    from verl_core.modeling.loading import load_causal_lm, load_tokenizer
     from verl_core.rewards.model import RewardModel
 
     model, tok = load_causal_lm(path, trainable=False), load_tokenizer(path)
@@ -68,7 +68,7 @@ def score_policy(
 
 def _score_episodes(model, tok, rows, reward, max_new_tokens, max_prompt_length, backend, agent):
     from verl_core.agents import build_agent_loop, episode_metrics, evaluate_episodes, trajectory_table
-    from verl_core.rollout import HFRolloutBackend
+    from verl_core.rollout.hf_backend import HFRolloutBackend
 
     loop = build_agent_loop(agent, tok, max_new_tokens)
     backend = backend or HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id)

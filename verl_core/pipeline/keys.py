@@ -15,11 +15,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from verl_core.fingerprint import fingerprint_path
+from verl_core.data.fingerprint import fingerprint_path
 from verl_core.pipeline.config import DataSource, PipelineConfig
 from verl_core.pipeline.records import PREVIOUS_ROUND, StageRecord
 from verl_core.pipeline.registry import STEPS, stage_for, variant_of
-from verl_core.precision import resolve_mixed_precision
+from verl_core.train.precision import resolve_mixed_precision
 
 # Fields that change how a run looks, not what it computes: kept out of cache keys (batch sizes
 # are global, so the launcher changes where a stage trains, not its result).

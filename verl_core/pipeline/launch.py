@@ -25,8 +25,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from verl_core.algorithms.base import FINAL_MODEL_DIR
-from verl_core.callbacks import Callback
-from verl_core.checkpoints import CHECKPOINTS_DIR
 from verl_core.config import ConfigError
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.keys import stage_dir, stage_key
@@ -34,6 +32,8 @@ from verl_core.pipeline.launcher_config import TRAINING_STEPS, LauncherConfig, l
 from verl_core.pipeline.records import HISTORY_FILE, RECORD_FILE, StageOutput, StageRecord, StageResult
 from verl_core.pipeline.runner import run_stage
 from verl_core.pipeline.worker import ERROR_FILE
+from verl_core.train.callbacks import Callback
+from verl_core.train.checkpoints import CHECKPOINTS_DIR
 
 log = logging.getLogger("verl_core.launch")
 LAUNCH_DIR = ".launch"

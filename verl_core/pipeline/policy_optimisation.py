@@ -12,13 +12,13 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from verl_core import arithmetic
 from verl_core.algorithms.registry import ALGORITHMS, Algorithm
-from verl_core.checkpoints import CHECKPOINTS_DIR
+from verl_core.bundled import arithmetic
 from verl_core.data.errors import DataError
 from verl_core.pipeline.data import bundled_rows, data_label, load_data, preference_rows_of
 from verl_core.pipeline.records import PREVIOUS_ROUND, DatasetUse, Stage, StageContext, StageOutput, Step
 from verl_core.pipeline.training import train_in_stage, train_offline
+from verl_core.train.checkpoints import CHECKPOINTS_DIR
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 UNPAIRED_FIELDS = ("prompt", "completion", "label")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from verl_core import arithmetic
+from verl_core.bundled import arithmetic
 from verl_core.config import ConfigError
 from verl_core.pipeline.data import data_label, load_data
 from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOutput, Step

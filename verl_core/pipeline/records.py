@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
+from verl_core.train.callbacks import Callback
 
 RECORD_FILE = "record.json"
 PREVIOUS_ROUND = "previous_round"  # the input name of round k - 1's record, in a stage that runs in rounds

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 
 from verl_core.config import ConfigError
-from verl_core.fingerprint import fingerprint_path
+from verl_core.data.fingerprint import fingerprint_path
 from verl_core.pipeline import evaluation, policy_optimisation, preference_data, reward_model, sft
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.records import Stage, StageRecord, Step
@@ -51,7 +51,7 @@ def stage_enabled(config: PipelineConfig, name: str) -> bool:
 
 def base_model_record(config: PipelineConfig) -> StageRecord:
     """The base model as a record: the configured folder/hub id, or the embedded tiny model."""
-    from verl_core.tiny import tiny_model_path
+    from verl_core.bundled.tiny_model import tiny_model_path
 
     path = config.base_model or str(tiny_model_path())
     return StageRecord(stage="base", output_path=str(path), fingerprint=fingerprint_path(path), given=True)

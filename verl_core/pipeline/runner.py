@@ -9,9 +9,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from verl_core.callbacks import Callback
 from verl_core.config import ConfigError
-from verl_core.fingerprint import fingerprint_path
+from verl_core.data.fingerprint import fingerprint_path
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.keys import stage_dir, stage_key
 from verl_core.pipeline.records import (
@@ -25,6 +24,7 @@ from verl_core.pipeline.records import (
 )
 from verl_core.pipeline.registry import stage_for, variant_of
 from verl_core.pipeline.workdir_lock import stage_lock
+from verl_core.train.callbacks import Callback
 
 TABLES_FILE = "tables.json"
 

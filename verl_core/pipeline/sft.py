@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verl_core import arithmetic
+from verl_core.bundled import arithmetic
 from verl_core.pipeline.data import bundled_rows, data_label, load_data
 from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOutput, Step
 from verl_core.pipeline.training import train_offline

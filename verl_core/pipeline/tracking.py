@@ -177,7 +177,7 @@ def start_stage_run(
 
     Params: the settings that make the stage's cache key (the chosen variant's only), as the
     ``stage_config.yaml`` artifact; training stages add their trainer's settings as params
-    through :class:`~verl_core.callbacks.MLflowCallback`, the others get theirs as params here."""
+    through :class:`~verl_core.train.callbacks.MLflowCallback`, the others get theirs as params here."""
     from verl_core.pipeline.keys import section_for_key
 
     url = prefect_flow_run_url(flow_run_id)
@@ -348,7 +348,7 @@ def log_cached_stage(
         "cached": "true",
         "verl_core.cached_from_run_id": origin or "",
         "verl_core.cached_from_url": origin_url or "",
-        "verl_core.fingerprint": record.fingerprint,
+        "verl_core.data.fingerprint": record.fingerprint,
         "verl_core.output_path": record.output_path,
         FLOW_RUN_TAG: flow_run_id or "",
         FLOW_RUN_URL_TAG: url or "",

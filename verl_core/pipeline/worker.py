@@ -53,11 +53,11 @@ def run_request(request_path: str | Path) -> None:
 def _train(request: dict, r: int) -> None:
     import torch
 
-    from verl_core.callbacks import MLflowCallback
     from verl_core.pipeline import tracking
     from verl_core.pipeline.config import PipelineConfig
     from verl_core.pipeline.records import StageRecord
     from verl_core.pipeline.runner import run_stage
+    from verl_core.train.callbacks import MLflowCallback
 
     torch.set_num_threads(int(request.get("threads", 1)))
     config = PipelineConfig.from_dict(request["config"], source="the launch request")

@@ -9,10 +9,10 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from verl_core.config import ConfigError, StrictConfig
-from verl_core.models import DType
+from verl_core.modeling.loading import DType
 from verl_core.rewards.model import RewardSourceConfig
-from verl_core.rollout import SamplingParams
-from verl_core.rollout_backends import RolloutConfig
+from verl_core.rollout.contract import SamplingParams
+from verl_core.rollout.registry import RolloutConfig
 
 FORMAT_VERSION = "preference-data-1"
 OUTPUT_KINDS = ("pairs", "unpaired", "best_of_n")

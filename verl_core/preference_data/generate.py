@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from verl_core.data import tokenize_prompts
-from verl_core.fingerprint import fingerprint_path
+from verl_core.data.fingerprint import fingerprint_path
 from verl_core.policies import LLMPolicy
 from verl_core.preference_data.config import (
     COLUMNS,
@@ -27,8 +27,8 @@ from verl_core.preference_data.config import (
 )
 from verl_core.preference_data.rows import build_rows
 from verl_core.rewards.model import RewardModel, RewardSource, RewardSourceConfig, UserRewards
-from verl_core.rollout import SamplingParams, decode_responses
-from verl_core.rollout_backends import build_rollout_backend, close_backend
+from verl_core.rollout.contract import SamplingParams, decode_responses
+from verl_core.rollout.registry import build_rollout_backend, close_backend
 
 
 def derive_seed(seed: int, *parts: int) -> int:
@@ -107,7 +107,7 @@ def generate_preference_data(
     :class:`ShardMismatchError`, unless ``overwrite`` deletes them. ``on_shard_end(index, path)``
     runs after each shard is written (progress reporting, tests).
     """
-    from verl_core.progress import progress_bar
+    from verl_core.train.progress import progress_bar
 
     if not isinstance(config, PreferenceDataConfig):
         config = PreferenceDataConfig.from_dict(dict(config or {}), source="generate_preference_data")

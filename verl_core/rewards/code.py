@@ -2,7 +2,7 @@
 
 ``code_output`` takes the program of each completion (the last fenced ```` ```python ```` block, or
 the whole completion when it has no fence and parses as Python), runs the batch in the sandbox
-(:func:`verl_core.agents.sandbox.run_many`: a child process each, no network, rlimits, a
+(:func:`verl_core.sandbox.runner.run_many`: a child process each, no network, rlimits, a
 timeout) and scores 1.0 when the last non-empty line of stdout equals the ground truth, else 0.0.
 Numbers compare by value (:func:`~verl_core.rewards.rules.normalize_number`, as the GSM8K rules
 do: ``"18.0"`` equals ``"18"``), anything else as stripped strings.
@@ -18,8 +18,8 @@ import ast
 import re
 from collections.abc import Sequence
 
-from verl_core.agents.sandbox import SandboxLimits, SandboxResult, run_many
 from verl_core.rewards.rules import normalize_number, register_rule_reward
+from verl_core.sandbox.runner import SandboxLimits, SandboxResult, run_many
 
 # A fenced block tagged python/py/python3 (or untagged); the closing fence must be on its own line.
 _FENCE = re.compile(r"^[ \t]*```[ \t]*(python3?|py)?[ \t]*\n(.*?)^[ \t]*```[ \t]*$", re.DOTALL | re.MULTILINE | re.IGNORECASE)

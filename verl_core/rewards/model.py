@@ -22,7 +22,7 @@ from pydantic import Field
 
 from verl_core.config import ConfigError, StrictConfig
 from verl_core.data import collate_sequences
-from verl_core.models import DType, load_reward_model, load_tokenizer
+from verl_core.modeling.loading import DType, load_reward_model, load_tokenizer
 from verl_core.rewards.rules import RULE_REWARDS, RewardError, RewardFn, _checked_scores, get_rule_reward
 
 Prompt = Union[str, list[dict[str, str]]]

@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
-from verl_core.batches import micro_batch_indices, steps_for, to_device
-from verl_core.callbacks import Callback, HistoryCallback
-from verl_core.checkpoints import CHECKPOINT_PREFIX, CHECKPOINTS_DIR, ENGINE_STATE, checkpoint_step, latest_checkpoint  # noqa: F401
 from verl_core.errors import TrainingError
-from verl_core.precision import allow_precision_change
-from verl_core.progress import progress_bar
-from verl_core.state_io import load_training_state, read_text, refuse_pickles, save_training_state
-from verl_core.train_config import TrainConfig
-from verl_core.update_checks import check_gradients, check_loss, check_update, update_overflowed
+from verl_core.train.batches import micro_batch_indices, steps_for, to_device
+from verl_core.train.callbacks import Callback, HistoryCallback
+from verl_core.train.checkpoints import CHECKPOINT_PREFIX, CHECKPOINTS_DIR, ENGINE_STATE, latest_checkpoint
+from verl_core.train.config import TrainConfig
+from verl_core.train.precision import allow_precision_change
+from verl_core.train.progress import progress_bar
+from verl_core.train.state_io import load_training_state, read_text, refuse_pickles, save_training_state
+from verl_core.train.update_checks import check_gradients, check_loss, check_update, update_overflowed
 
 log = logging.getLogger("verl_core")
 
@@ -134,7 +134,7 @@ class Engine:
             name, self.optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=self.total_optimizer_steps
         )
         self.progress = _Progress()
-        # what a checkpoint holds besides the model (safetensors + JSON: verl_core.state_io, no pickles)
+        # what a checkpoint holds besides the model (safetensors + JSON: verl_core.train.state_io, no pickles)
         self.states: dict[str, Any] = {"optimizer": self.optimizer, "scheduler": self.scheduler, "progress": self.progress}
         if self.accelerator.scaler is not None:
             self.states["grad_scaler"] = self.accelerator.scaler

@@ -10,10 +10,10 @@ import torch
 from pydantic import Field
 
 from verl_core.config import StrictConfig
+from verl_core.data.hub import hub_id, hub_offline, not_found_hint
 from verl_core.errors import UserError
-from verl_core.hub import hub_id, hub_offline, not_found_hint
 from verl_core.processes import pid_alive
-from verl_core.progress import quiet_library_bars
+from verl_core.train.progress import quiet_library_bars
 
 DType = Literal["float32", "bfloat16", "float16"]
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -5,7 +5,7 @@ one chunk of rows is ever upcast, and only the log-normaliser is kept:
 ``log p(x_t) = z[x_t] - logsumexp(z)``.
 
 Pure tensor math, no model: running a model on a batch is
-:func:`verl_core.packing.model_token_logprobs`.
+:func:`verl_core.modeling.packed_forward.model_token_logprobs`.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@
 ``segment_ids``/``branch_ids``: a ``[R, 1, C, C]`` bool mask for ``sdpa``, an additive float mask
 for ``eager``; ``flash_attention_*`` gets none and finds the sequence boundaries from the
 restarting ``position_ids`` (prefix sharing is then not expressible, see
-:func:`supports_shared_prompt`). Modules depend one way: this one on :mod:`verl_core.logprobs`
-(tensor math), :mod:`verl_core.forward` (attention implementation, last-layer pruning) and
-:mod:`verl_core.data.packing` (the layout, whose collate functions it re-exports).
+:func:`supports_shared_prompt`). Modules depend one way: this one on :mod:`verl_core.modeling.logprobs`
+(tensor math), :mod:`verl_core.modeling.forward` (attention implementation, last-layer pruning) and
+:mod:`verl_core.data.packing` (the layout and its collate functions).
 """
 
 from __future__ import annotations
@@ -17,22 +17,16 @@ from typing import Any
 
 import torch
 
-from verl_core.data.packing import (  # noqa: F401  (re-exported: the packing API in one place)
-    FUSED_HEAD_KEY,
-    PACKED_KEY,
-    PRUNE_KEY,
-    RowCapacity,
-    collate_packed,
-    collate_packed_kto,
-    collate_packed_pairs,
-    collate_packed_sft,
-    is_packed,
-    pack_units,
-    packing_stats,
+from verl_core.data.packing import FUSED_HEAD_KEY, PACKED_KEY, PRUNE_KEY, RowCapacity, is_packed, pack_units
+from verl_core.modeling.forward import (
+    attn_implementation,
+    base_module,
+    fused_head_skip_reason,
+    last_layer_only_at,
+    output_head_weight,
 )
-from verl_core.forward import attn_implementation, base_module, fused_head_skip_reason, last_layer_only_at, output_head_weight
-from verl_core.lm_head import linear_logprobs
-from verl_core.logprobs import entropy_from_logits, scaled_logprobs, token_logprobs
+from verl_core.modeling.lm_head import linear_logprobs
+from verl_core.modeling.logprobs import entropy_from_logits, scaled_logprobs, token_logprobs
 
 LogProbs = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # log-probs, or (log-probs, entropies)
 
@@ -117,7 +111,7 @@ def _logprobs_at(
     ``keep``, ``[R, C]`` bool) under ``softmax(scale · logits)``, and their entropies (or None).
 
     The last layer runs only where ``keep`` is True. With ``fused``, a model :func:`fused_head_skip_reason` accepts
-    gets them from its last hidden states through :func:`verl_core.lm_head.linear_logprobs` (no
+    gets them from its last hidden states through :func:`verl_core.modeling.lm_head.linear_logprobs` (no
     ``[N, V]`` logits tensor); any other model, or an entropy that needs a gradient, through its
     logits."""
     plain_head = fused_head_skip_reason(model) is None
@@ -277,8 +271,16 @@ def packed_sequence_scores(model: torch.nn.Module, batch: dict[str, torch.Tensor
 
 
 def packed_pair_rewards(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chosen and rejected rewards of a :func:`collate_packed_pairs` batch
-    (counterpart of :func:`verl_core.algorithms.reward_model.pair_rewards`)."""
+    """Chosen and rejected rewards of a :func:`~verl_core.data.packing.collate_packed_pairs` batch."""
     scores = packed_sequence_scores(model, batch)
+    half = scores.shape[0] // 2
+    return scores[:half], scores[half:]
+
+
+def pair_rewards(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scalar rewards of the chosen and rejected halves of a :func:`~verl_core.data.collate_pairs` batch (or a packed one)."""
+    if is_packed(batch):
+        return packed_pair_rewards(model, batch)
+    scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, 0].float()
     half = scores.shape[0] // 2
     return scores[:half], scores[half:]

@@ -3,7 +3,7 @@
 Under ``launcher.kind: ray`` the training process is a Ray Train worker, so its rollout workers
 (:mod:`verl_core.algorithms.async_rollout`) are Ray actors of the same cluster rather than local
 processes: the cluster places them (``num_cpus = async_rollout.worker_threads`` each), and Ray
-kills them with their owner. The protocol is :mod:`verl_core.rollout_worker`'s, over Ray instead
+kills them with their owner. The protocol is :mod:`verl_core.rollout.worker`'s, over Ray instead
 of queues and files:
 
 - **Weights.** The trainer puts version ``v`` into Ray's object store once (:class:`ObjectStoreWeights`),
@@ -15,7 +15,7 @@ of queues and files:
 - **Failures.** An actor that dies (``RayActorError``) reads as a dead worker (the trainer restarts
   it, bounded); an exception in a call becomes an ``("error", text)`` message.
 
-:class:`WorkerActor` is the trainer's handle; it has :class:`verl_core.rollout_worker.WorkerProcess`'s methods.
+:class:`WorkerActor` is the trainer's handle; it has :class:`verl_core.rollout.worker.WorkerProcess`'s methods.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from verl_core.rollout_worker import PolicyCopy, WorkerSpec, _fault, cpu_state
+from verl_core.rollout.worker import PolicyCopy, WorkerSpec, _fault, cpu_state
 
 
 def inside_ray() -> bool:
@@ -54,7 +54,7 @@ class ObjectStoreWeights:
 
 
 class RolloutActor:
-    """The actor's side: a :class:`~verl_core.rollout_worker.PolicyCopy` serving jobs."""
+    """The actor's side: a :class:`~verl_core.rollout.worker.PolicyCopy` serving jobs."""
 
     def __init__(self, index: int, incarnation: int, spec: WorkerSpec):
         torch.set_num_threads(spec.threads)

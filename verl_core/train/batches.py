@@ -10,7 +10,7 @@ import math
 import torch
 
 from verl_core.errors import TrainingError
-from verl_core.train_config import TrainConfig
+from verl_core.train.config import TrainConfig
 
 
 def micro_batch_indices(n_rows: int, step: int, batch_size: int, seed: int, rank: int, world: int, accum: int) -> list[list[int]]:

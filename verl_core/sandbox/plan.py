@@ -1,6 +1,6 @@
 """How the sandbox isolates a child: the candidate settings, the mount plan and the command line.
 
-Kept apart from :mod:`verl_core.agents.sandbox` (which runs and watches the child) because this
+Kept apart from :mod:`verl_core.sandbox.runner` (which runs and watches the child) because this
 part only decides *what* to start. With namespaces the command is
 ``unshare --net --pid --fork --kill-child [--mount --mount-proc] -- sh -c SCRIPT verl-sandbox
 python -I -S -B -X utf8 -c <bootstrap> verl-sandbox <config>``: ``sh`` is the pid namespace's
@@ -24,7 +24,7 @@ from pathlib import Path
 
 SANDBOX_UID = SANDBOX_GID = 65534  # "nobody": owns nothing, is in no group
 DATA_DIRS = ("/usr/share/zoneinfo",)  # public data the stdlib reads (zoneinfo); readable by the program
-_CHILD_SOURCE = Path(__file__).with_name("sandbox_child.py")
+_CHILD_SOURCE = Path(__file__).with_name("child.py")
 _RUN = '"$@"; exit $?'  # not `exec`: sh stays the namespace's init and reports a signal as 128 + n
 
 
@@ -57,7 +57,7 @@ def _tool(name: str) -> str | None:
 
 
 def isolation_candidates() -> list[Isolation]:
-    """Settings to try, strongest first; :func:`~verl_core.agents.sandbox.sandbox_isolation` keeps
+    """Settings to try, strongest first; :func:`~verl_core.sandbox.runner.sandbox_isolation` keeps
     the first whose probe works (so a container that forbids namespaces or mounts falls back)."""
     root = os.geteuid() == 0
     out = []

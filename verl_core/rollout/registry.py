@@ -1,7 +1,7 @@
 """The rollout backends by name (:data:`ROLLOUT_BACKENDS`) and the ``rollout`` setting that picks one.
 
 ``rollout.backend: hf`` (the default) samples with the policy's own KV cache in this process;
-``vllm`` with a colocated vLLM engine (:mod:`verl_core.rollout_vllm`) whose weights are pushed
+``vllm`` with a colocated vLLM engine (:mod:`verl_core.rollout.vllm_backend`) whose weights are pushed
 in place after every policy update. Online trainers, the preference-data generator and the
 evaluation stage each take a ``rollout`` section and build their backend with
 :func:`build_rollout_backend`.
@@ -26,7 +26,8 @@ import torch
 from pydantic import Field
 
 from verl_core.config import ConfigError, StrictConfig
-from verl_core.rollout import HFRolloutBackend, RolloutBackend
+from verl_core.rollout.contract import RolloutBackend
+from verl_core.rollout.hf_backend import HFRolloutBackend
 
 log = logging.getLogger("verl_core")
 
@@ -38,7 +39,7 @@ def _hf_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, autoca
 def _vllm_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, autocast_dtype) -> RolloutBackend:
     """An engine built from the live model's config with placeholder weights (``load_format="dummy"``:
     nothing is read from disk), then given the live weights by one :meth:`sync_weights`."""
-    from verl_core.rollout_vllm import VLLMRolloutBackend, VLLMUnavailableError, import_vllm, vllm_skip_reason
+    from verl_core.rollout.vllm_backend import VLLMRolloutBackend, VLLMUnavailableError, import_vllm, vllm_skip_reason
 
     import_vllm()  # the missing-extra error before anything is written
     device = next(model.parameters()).device.type

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from verl_core import arithmetic
+from verl_core.bundled import arithmetic
 from verl_core.config import StrictConfig
 
 CHAT_TEMPLATE = (
@@ -29,7 +29,7 @@ SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>
 class TinyModelConfig(StrictConfig):
     """Sizes of the embedded default model (defaults: ~0.2M parameters, trains in minutes on 2 cores).
 
-    Three heads of 32: a head size vLLM's CPU attention supports (see :mod:`verl_core.rollout_vllm`)."""
+    Three heads of 32: a head size vLLM's CPU attention supports (see :mod:`verl_core.rollout.vllm_backend`)."""
 
     vocab_size: int = Field(384, ge=300)
     hidden_size: int = 96

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from verl_core.rollout import RolloutBatch
+from verl_core.rollout.contract import RolloutBatch
 
 FAULT_ENV = "VERL_CORE_ROLLOUT_WORKER_FAULT"
 _POLL_S = 0.05
@@ -173,7 +173,7 @@ class PolicyCopy:
         self.held = -1  # the version the model holds
 
     def load(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        from verl_core.rollout_backends import build_rollout_backend
+        from verl_core.rollout.registry import build_rollout_backend
 
         self.model.load_state_dict(state)
         self.held = version
@@ -217,7 +217,7 @@ def worker_main(index: int, incarnation: int, spec: WorkerSpec, jobs, results) -
 
 class WorkerProcess:
     """The trainer's handle on one worker run as a spawned local process (jobs and messages over queues,
-    weights from the :class:`WeightStore` folder). :class:`verl_core.rollout_worker_ray.WorkerActor` is the
+    weights from the :class:`WeightStore` folder). :class:`verl_core.rollout.ray_actor.WorkerActor` is the
     same handle on a Ray actor."""
 
     kind = "process"

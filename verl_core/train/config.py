@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from verl_core.config import StrictConfig
-from verl_core.precision import resolve_mixed_precision
+from verl_core.train.precision import resolve_mixed_precision
 
 
 class TrainConfig(StrictConfig):

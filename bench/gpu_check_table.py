@@ -10,8 +10,8 @@ from __future__ import annotations
 
 VLLM_ON_GPU = (
     "- grpo: each peak includes a vLLM engine in the run's process: weights and KV cache within 0.3 of the GPU "
-    "(ours rollout.gpu_memory_utilization, TRL vllm_gpu_memory_utilization: both defaults). Our engine's dtype is "
-    "rollout.dtype auto, the policy's parameter dtype (float32: bf16 is autocast); TRL passes none, and vLLM's auto "
+    "(ours rollout.vllm.gpu_memory_utilization, TRL vllm_gpu_memory_utilization: both defaults). Our engine's dtype is "
+    "rollout.vllm.dtype auto, the policy's parameter dtype (float32: bf16 is autocast); TRL passes none, and vLLM's auto "
     "downcasts a float32 checkpoint to the platform's first dtype (bf16 on an H200)"
 )
 

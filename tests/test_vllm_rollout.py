@@ -51,7 +51,7 @@ def test_gpu_only_engine_options_are_refused_on_a_cpu_machine_before_an_engine_s
         pytest.skip("a GPU machine takes these options")
     model = load_causal_lm(tiny_path, trainable=False)
     with pytest.raises(ConfigError, match="no GPU"):
-        build_rollout_backend(RolloutConfig(backend="vllm", sleep_between_rollouts=True), model, tok)
+        build_rollout_backend(RolloutConfig(backend="vllm", vllm={"sleep_between_rollouts": True}), model, tok)
     with pytest.raises(ConfigError, match="one training process; this run has 2"):
         build_rollout_backend(RolloutConfig(backend="vllm"), model, tok, processes=2)
 
@@ -211,8 +211,8 @@ def test_grpo_with_vllm_raises_held_out_exact_match_like_the_hf_backend_with_and
     gains, histories = {}, {}
     for name, settings in {
         "hf": {},
-        "vllm": {"rollout": {"backend": "vllm", "enforce_eager": True}},  # eager: starts in seconds
-        "vllm+tis": {"rollout": {"backend": "vllm", "enforce_eager": True}, "rollout_correction": "tis"},
+        "vllm": {"rollout": {"backend": "vllm", "vllm": {"enforce_eager": True}}},  # eager: starts in seconds
+        "vllm+tis": {"rollout": {"backend": "vllm", "vllm": {"enforce_eager": True}}, "rollout_correction": "tis"},
     }.items():
         trainer = GRPOTrainer(str(sft_path), **GRPO_RECIPE, **settings)
         histories[name] = trainer.train().history
@@ -253,7 +253,7 @@ def test_preference_data_sampled_by_vllm_pairs_and_resumes(sft_path, tmp_path):
 
     settings = dict(
         n_samples=4, sampling={"max_new_tokens": 24}, shard_size=8, batch_size=8, tie_break="logprob",
-        rollout={"backend": "vllm", "enforce_eager": True}, formats=["arrow"], progress=False,
+        rollout={"backend": "vllm", "vllm": {"enforce_eager": True}}, formats=["arrow"], progress=False,
     )  # fmt: skip
     out = tmp_path / "pref"
     result = generate_preference_data(sft_path, arithmetic.prompt_rows(16), PreferenceDataConfig(**settings), out)
@@ -270,7 +270,9 @@ def test_the_evaluation_stage_scores_the_same_greedy_answers_with_either_backend
 
     rows = arithmetic.eval_rows(64)
     hf = score_policy(str(sft_path), rows, "exact_match", 24, None)
-    vllm = score_policy(str(sft_path), rows, "exact_match", 24, None, rollout=RolloutConfig(backend="vllm", enforce_eager=True))
+    vllm = score_policy(
+        str(sft_path), rows, "exact_match", 24, None, rollout=RolloutConfig(backend="vllm", vllm={"enforce_eager": True})
+    )
     assert vllm == hf and 0 < hf[0]["accuracy"] < 1
 
 

@@ -107,10 +107,10 @@ class AsyncRolloutBackend:
         self.max_seen = 0
         self.threads_before = torch.get_num_threads()
         self.behaviour_is_old = self.settings.old_logprobs == "behaviour"
-        # while the workers start, the trainer samples in-process from its own module (HF only: a second
-        # vLLM engine in the trainer would cost the memory and compile time the workers are there to take)
+        # while the workers start, the trainer samples in-process from its own module (only with a backend that
+        # shares it: a second vLLM engine in the trainer would cost the memory and compile time the workers take)
         self.local = None
-        if self.settings.sample_while_starting and c.rollout.backend == "hf":
+        if self.settings.sample_while_starting and c.rollout.spec.shares_training_model:
             self.local = build_rollout_backend(c.rollout, lm, trainer.policy.tokenizer, autocast, 1)
         self.in_process_steps = 0
 

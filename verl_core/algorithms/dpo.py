@@ -25,12 +25,25 @@ from pydantic import Field
 from verl_core.algorithms.preference import PreferenceConfig, PreferenceTrainer, attach_reference, pair_metrics
 from verl_core.data import collate_pairs, tokenize_pairs
 from verl_core.data.packing import collate_packed_pairs
-from verl_core.losses.preference import dpo_loss, orpo_loss, sequence_logps, sequence_mean_logps, simpo_loss
+from verl_core.losses.preference import DPO_LOSS_TYPES, dpo_loss, orpo_loss, sequence_logps, sequence_mean_logps, simpo_loss
 from verl_core.modeling.packed_forward import model_token_logprobs
 from verl_core.train.engine import LossOutput
 
-DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"]
-REFERENCE_FREE = ("simpo", "orpo")
+
+def _simpo(c: DPOConfig, token_lps, mask, chosen, rejected, lengths, n: int):
+    return simpo_loss(chosen, rejected, lengths[:n], lengths[n:], c.beta, c.simpo_gamma, c.label_smoothing), {}
+
+
+def _orpo(c: DPOConfig, token_lps, mask, chosen, rejected, lengths, n: int):
+    nll = -sequence_mean_logps(token_lps[:n], mask[:n])
+    out = orpo_loss(chosen, rejected, lengths[:n], lengths[n:], nll, c.orpo_lambda)
+    return out, {"nll": nll.detach().mean().item(), "log_odds_ratio": out.log_odds_ratio.mean().item()}
+
+
+# loss_type -> the loss of a pair batch without a reference model; every other loss_type is one of
+# losses.preference.DPO_LOSS_TYPES, against the reference.
+REFERENCE_FREE_LOSSES = {"simpo": _simpo, "orpo": _orpo}
+DPOLossType = Literal[tuple(DPO_LOSS_TYPES) + tuple(REFERENCE_FREE_LOSSES)]  # type: ignore[valid-type]
 
 
 class DPOConfig(PreferenceConfig):
@@ -72,7 +85,7 @@ class DPOTrainer(PreferenceTrainer):
 
     @property
     def uses_reference(self) -> bool:
-        return self.config.loss_type not in REFERENCE_FREE
+        return self.config.loss_type not in REFERENCE_FREE_LOSSES
 
     def tokenize(self, rows) -> list[dict]:
         c = self.config
@@ -102,16 +115,12 @@ class DPOTrainer(PreferenceTrainer):
         lengths = mask.sum(-1)
         n = logps.shape[0] // 2
         chosen, rejected = logps[:n], logps[n:]
-        extra: dict[str, float] = {}
-        if c.loss_type == "simpo":
-            out = simpo_loss(chosen, rejected, lengths[:n], lengths[n:], c.beta, c.simpo_gamma, c.label_smoothing)
-        elif c.loss_type == "orpo":
-            nll = -sequence_mean_logps(token_lps[:n], mask[:n])
-            out = orpo_loss(chosen, rejected, lengths[:n], lengths[n:], nll, c.orpo_lambda)
-            extra = {"nll": nll.detach().mean().item(), "log_odds_ratio": out.log_odds_ratio.mean().item()}
+        if c.loss_type in REFERENCE_FREE_LOSSES:
+            out, extra = REFERENCE_FREE_LOSSES[c.loss_type](c, token_lps, mask, chosen, rejected, lengths, n)
         else:
             ref = self.reference_logps(model, batch)
             out = dpo_loss(chosen, rejected, ref[:n], ref[n:], c.beta, c.loss_type, c.label_smoothing, lengths[:n], lengths[n:])
+            extra = {}
         metrics = {**pair_metrics(out.chosen_rewards, out.rejected_rewards, chosen, rejected), **extra}
         return LossOutput(loss_sum=out.losses.sum(), count=n, metrics=metrics)
 

@@ -64,7 +64,6 @@ from verl_core.modeling.loading import save_pretrained_atomic
 from verl_core.policies import LLMPolicy
 from verl_core.rewards.model import RewardModel, RewardSource, UserRewards
 from verl_core.rollout.contract import RolloutBackend, RolloutBatch, SamplingParams, decode_responses
-from verl_core.rollout.hf_backend import HFRolloutBackend
 from verl_core.rollout.registry import close_backend
 from verl_core.train.callbacks import Callback
 from verl_core.train.engine import Engine, LossOutput, TrainResult
@@ -342,7 +341,7 @@ class OnlineTrainer:
         """Whether old log-probs are recomputed to compare with the sampler's: a sampler other than the
         training model itself (vLLM), or a correction asked for."""
         sampler = self.backend.inner if isinstance(self.backend, EpisodeSampler) else self.backend
-        other = not isinstance(sampler, HFRolloutBackend) or self.config.rollout_correction != "none"
+        other = not getattr(sampler, "shares_training_model", False) or self.config.rollout_correction != "none"
         return other and not self.behaviour_is_old  # (with the behaviour's, the loss logs mismatch/*)
 
     def update(self, exp: dict[str, torch.Tensor], step: int) -> list[dict[str, float]]:

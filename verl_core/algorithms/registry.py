@@ -32,6 +32,7 @@ class Algorithm:
     kind: Kind
     data: Literal["pairs", "prompts"]  # pairs: prompt/chosen/rejected; prompts: prompt/ground_truth
     summary: str
+    reads_unpaired: bool = False  # also trains on unpaired rows (prompt/completion/label) in place of pairs
 
     @property
     def config_cls(self) -> type:
@@ -42,7 +43,7 @@ ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
         Algorithm("dpo", DPOTrainer, "offline", "pairs", "Direct Preference Optimization (Rafailov et al. 2023)"),
-        Algorithm("kto", KTOTrainer, "offline", "pairs", "Kahneman-Tversky Optimization (Ethayarajh et al. 2024)"),
+        Algorithm("kto", KTOTrainer, "offline", "pairs", "Kahneman-Tversky Optimization (Ethayarajh et al. 2024)", True),
         Algorithm("simpo", SimPOTrainer, "offline", "pairs", "SimPO, reference-free (Meng et al. 2024)"),
         Algorithm("orpo", ORPOTrainer, "offline", "pairs", "ORPO, odds-ratio + SFT (Hong et al. 2024)"),
         Algorithm("ppo", PPOTrainer, "online", "prompts", "PPO with a value head and GAE (Schulman et al. 2017)"),

@@ -47,7 +47,7 @@ def score_policy(
 
     model, tok = load_causal_lm(path, trainable=False), load_tokenizer(path)
     backend = None
-    if rollout is not None and rollout.backend != "hf":
+    if rollout is not None and not rollout.spec.shares_training_model:
         backend = build_rollout_backend(rollout, model, tok)
     out: dict[str, float] = {}
     try:

@@ -22,16 +22,16 @@ from verl_core.train.checkpoints import CHECKPOINTS_DIR
 
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 UNPAIRED_FIELDS = ("prompt", "completion", "label")
-UNPAIRED_ALGORITHMS = ("kto",)  # trainers whose data may be unpaired (tokenize_unpaired)
 
 
 def offline_rows(rows: list[dict], algorithm: str, source: str) -> list[dict]:
     """The fields ``algorithm`` trains on: pairs, or unpaired rows for an algorithm that reads them."""
     unpaired = bool(rows) and "chosen" not in rows[0] and "completion" in rows[0]
-    if unpaired and algorithm not in UNPAIRED_ALGORITHMS:
+    readers = [a.name for a in ALGORITHMS.values() if a.reads_unpaired]
+    if unpaired and algorithm not in readers:
         raise DataError(
             f"{source} holds unpaired rows (prompt/completion/label); {algorithm} needs pairs (prompt/chosen/rejected). "
-            f"Unpaired data trains with: {', '.join(UNPAIRED_ALGORITHMS)}"
+            f"Unpaired data trains with: {', '.join(readers)}"
         )
     fields = UNPAIRED_FIELDS if unpaired else PAIR_FIELDS
     for i, row in enumerate(rows):

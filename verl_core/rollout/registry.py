@@ -1,4 +1,5 @@
-"""The rollout backends by name (:data:`ROLLOUT_BACKENDS`) and the ``rollout`` setting that picks one.
+"""The rollout backends by name (:data:`ROLLOUT_BACKENDS`: each with what it can do) and the ``rollout``
+setting that picks one, with a section of options per backend (``rollout.vllm``).
 
 ``rollout.backend: hf`` (the default) samples with the policy's own KV cache in this process;
 ``vllm`` with a colocated vLLM engine (:mod:`verl_core.rollout.vllm_backend`) whose weights are pushed
@@ -19,6 +20,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +32,26 @@ from verl_core.rollout.contract import RolloutBackend
 from verl_core.rollout.hf_backend import HFRolloutBackend
 
 log = logging.getLogger("verl_core")
+
+
+class VLLMOptions(StrictConfig):
+    """The ``rollout.vllm`` section: the options of the vLLM engine (read only when ``backend: vllm``)."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the engine's weights; auto = the autocast dtype on a GPU under mixed precision, else the policy's"
+    )
+    max_model_len: int | None = Field(None, ge=1, description="longest prompt + response; null = the model's")
+    kv_cache_space_gib: int = Field(1, ge=1, description="on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="on GPU: the engine's share of GPU memory")
+    sleep_between_rollouts: bool = Field(
+        False, description="on GPU: free the engine's memory during the update (sleep level 1, woken for sampling)"
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="skip torch.compile / graph capture; true starts in ~4 s instead of ~20 s (12 s with a warm "
+        "compile cache) but samples slower (bench model on 2 CPU cores: 7.3k vs 9.7k tokens/s)",
+    )
+    engine_options: dict[str, Any] = Field(default_factory=dict, description="further vllm.LLM keyword arguments")
 
 
 def _hf_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, autocast_dtype) -> RolloutBackend:
@@ -46,19 +68,20 @@ def _vllm_backend(config: RolloutConfig, model: torch.nn.Module, tokenizer, auto
     reason = vllm_skip_reason(getattr(model, "config", None), device)
     if reason is not None:
         raise VLLMUnavailableError(f"rollout.backend 'vllm' cannot run this policy: {reason}; use rollout.backend: hf")
-    dtype = config.dtype if config.dtype != "auto" else _auto_dtype(model, autocast_dtype, device)
+    options = config.vllm
+    dtype = options.dtype if options.dtype != "auto" else _auto_dtype(model, autocast_dtype, device)
     with _architecture_folder(model, tokenizer) as folder:
         backend = VLLMRolloutBackend(
             folder,
             tokenizer.eos_token_id,
             tokenizer.pad_token_id,
             dtype,
-            max_model_len=config.max_model_len,
-            enforce_eager=config.enforce_eager,
-            kv_cache_space_gib=config.kv_cache_space_gib,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            sleep_between_rollouts=config.sleep_between_rollouts,
-            **{"load_format": "dummy", **config.engine_options},
+            max_model_len=options.max_model_len,
+            enforce_eager=options.enforce_eager,
+            kv_cache_space_gib=options.kv_cache_space_gib,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            sleep_between_rollouts=options.sleep_between_rollouts,
+            **{"load_format": "dummy", **options.engine_options},
         )
     backend.sync_weights(model)
     log.info("rollout: vLLM engine (%s)", dtype)
@@ -74,32 +97,38 @@ def _auto_dtype(model: torch.nn.Module, autocast_dtype: torch.dtype | None, devi
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
-# name -> builder(config, live model, tokenizer, autocast dtype)
-ROLLOUT_BACKENDS: dict[str, Callable[..., RolloutBackend]] = {"hf": _hf_backend, "vllm": _vllm_backend}
+@dataclass(frozen=True)
+class RolloutBackendSpec:
+    """A backend and what it can do, so callers ask it instead of testing its name.
+
+    ``shares_training_model``: samples with the live training module in this process (nothing to start,
+    no weight copy, its log-probs are the trainer's own); ``per_training_process``: one can run beside each
+    of several training processes; ``options``: the name of its option section in :class:`RolloutConfig`."""
+
+    build: Callable[..., RolloutBackend]  # (config, live model, tokenizer, autocast dtype) -> backend
+    summary: str
+    shares_training_model: bool
+    per_training_process: bool
+    options: str | None = None
+
+
+ROLLOUT_BACKENDS: dict[str, RolloutBackendSpec] = {
+    "hf": RolloutBackendSpec(_hf_backend, "the policy's KV cache in this process", HFRolloutBackend.shares_training_model, True),
+    "vllm": RolloutBackendSpec(_vllm_backend, "a colocated vLLM engine (options: rollout.vllm)", False, False, "vllm"),
+}
 
 
 class RolloutConfig(StrictConfig):
-    """Which engine samples completions, and its options (the vLLM ones are ignored by ``hf``)."""
+    """Which engine samples completions (``backend``), and each engine's own options in its section."""
 
     backend: Literal[tuple(ROLLOUT_BACKENDS)] = Field(  # type: ignore[valid-type]
-        "hf", description="hf: the policy's KV cache in this process; vllm: a vLLM engine"
+        "hf", description="; ".join(f"{name}: {spec.summary}" for name, spec in ROLLOUT_BACKENDS.items())
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto",
-        description="vllm: the engine's weights; auto = the autocast dtype on a GPU under mixed precision, else the policy's",
-    )
-    max_model_len: int | None = Field(None, ge=1, description="vllm: longest prompt + response; null = the model's")
-    kv_cache_space_gib: int = Field(1, ge=1, description="vllm on CPU: KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE)")
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vllm on GPU: the engine's share of GPU memory")
-    sleep_between_rollouts: bool = Field(
-        False, description="vllm on GPU: free the engine's memory during the update (sleep level 1, woken for sampling)"
-    )
-    enforce_eager: bool = Field(
-        False,
-        description="vllm: skip torch.compile / graph capture; true starts in ~4 s instead of ~20 s (12 s with a warm "
-        "compile cache) but samples slower (bench model on 2 CPU cores: 7.3k vs 9.7k tokens/s)",
-    )
-    engine_options: dict[str, Any] = Field(default_factory=dict, description="vllm: further vllm.LLM keyword arguments")
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="vllm: the engine's options")
+
+    @property
+    def spec(self) -> RolloutBackendSpec:
+        return ROLLOUT_BACKENDS[self.backend]
 
 
 def build_rollout_backend(
@@ -112,12 +141,12 @@ def build_rollout_backend(
     """The backend ``config.backend`` names, sampling from ``model`` (its current weights) for one of
     ``processes`` training processes."""
     config = config or RolloutConfig()
-    if config.backend != "hf" and processes > 1:
+    if processes > 1 and not config.spec.per_training_process:
         raise ConfigError(
             f"rollout.backend {config.backend!r} runs one engine colocated with one training process; this run has "
             f"{processes} (use rollout.backend: hf with a launcher)"
         )
-    return ROLLOUT_BACKENDS[config.backend](config, model, tokenizer, autocast_dtype)
+    return config.spec.build(config, model, tokenizer, autocast_dtype)
 
 
 def close_backend(backend: RolloutBackend | None) -> None:

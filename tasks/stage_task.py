@@ -20,18 +20,17 @@ from prefect.cache_policies import CacheKeyFnPolicy
 from verl_core.errors import UserError
 from verl_core.pipeline import model_registry, tracking
 from verl_core.pipeline.config import PipelineConfig
-from verl_core.pipeline.keys import stage_key
 from verl_core.pipeline.launch import run_stage_launched
+from verl_core.pipeline.plan import plan_stage
 from verl_core.pipeline.records import StageRecord, StageResult
-from verl_core.pipeline.registry import variant_of
 from verl_core.train.callbacks import Callback, MLflowCallback
 
 Inputs = dict[str, StageRecord | None]
 
 
 def _cache_key(_ctx, parameters: dict[str, Any]) -> str:
-    stage, round = parameters["stage"], parameters.get("round")
-    return f"{stage}-{stage_key(parameters['config'], stage, parameters['inputs'], round)}"
+    plan = plan_stage(parameters["config"], parameters["stage"], parameters["inputs"], parameters.get("round"))
+    return f"{plan.name}-{plan.key}"
 
 
 @task(
@@ -96,13 +95,13 @@ def execute(
     from prefect.runtime import flow_run, task_run
 
     tracking.configure(config)
-    key = stage_key(config, stage, inputs, round)
+    plan = plan_stage(config, stage, inputs, round)  # resolved once; everything below takes the plan
     run_id = tracking.start_stage_run(
         config,
         parent_run_id,
         stage,
-        variant_of(config, stage),
-        key,
+        plan.variant,
+        plan.key,
         flow_run_id=flow_run.id,
         task_run_id=task_run.id,
         attempt=task_run.run_count,
@@ -112,7 +111,7 @@ def execute(
     try:
         tracking.log_inputs(config, run_id, inputs)
         callbacks = stage_callbacks(config, stage, run_id, round)
-        result = run_stage_launched(config, stage, inputs, callbacks, run_id, log_line=_task_log_line(), round=round)
+        result = run_stage_launched(plan, callbacks, run_id, log_line=_task_log_line())
         tracking.log_stage_result(config, run_id, result)
         registered = _register(config, result, inputs, run_id, parent_run_id)
     except BaseException as err:

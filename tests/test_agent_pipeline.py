@@ -120,6 +120,7 @@ def test_agent_grpo_on_two_torchrun_processes_equals_the_in_process_run_with_the
 
     from verl_core.pipeline import run_stage
     from verl_core.pipeline.launch import run_stage_launched
+    from verl_core.pipeline.plan import plan_stage
     from verl_core.pipeline.records import StageRecord
     from verl_core.pipeline.registry import base_model_record
 
@@ -137,7 +138,7 @@ def test_agent_grpo_on_two_torchrun_processes_equals_the_in_process_run_with_the
     given = StageRecord(stage="sft", output_path=sft.output_path, fingerprint=sft.fingerprint, given=True)
     local = run_stage(local_cfg, "policy_optimisation", {"sft": given}).record
     launched_cfg = config("torchrun", "launcher.kind=torchrun", "launcher.num_processes=2")
-    launched = run_stage_launched(launched_cfg, "policy_optimisation", {"sft": given}).record
+    launched = run_stage_launched(plan_stage(launched_cfg, "policy_optimisation", {"sft": given})).record
     start, a, b = (load_file(str(Path(r.output_path) / "model.safetensors")) for r in (sft, local, launched))
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= 1e-6, f"parameters differ by {worst}"

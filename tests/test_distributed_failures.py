@@ -16,6 +16,7 @@ import pytest
 
 from verl_core.pipeline import PipelineConfig, load_pipeline_config
 from verl_core.pipeline.launch import LAUNCH_DIR, DistributedStageError, run_stage_launched
+from verl_core.pipeline.plan import plan_stage
 from verl_core.pipeline.records import RECORD_FILE
 from verl_core.pipeline.registry import base_model_record
 
@@ -127,7 +128,7 @@ def test_killed_rank_fails_the_task_and_the_rerun_resumes_bitwise_equal(prefect_
 
     # ... and ends bitwise equal to an uninterrupted 2-process run elsewhere
     other = cfg.updated(workdir=str(tmp_path / "uninterrupted"))
-    reference = run_stage_launched(other, "sft", {"base": base_model_record(other)}).record
+    reference = run_stage_launched(plan_stage(other, "sft", {"base": base_model_record(other)})).record
     assert reference.extra["resumed_from_step"] == 0
     assert reference.fingerprint == record.fingerprint
     assert reference.metrics == record.metrics

@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from verl_core.data.fingerprint import fingerprint_path
 from verl_core.pipeline import PipelineConfig, load_pipeline_config, run_stage
 from verl_core.pipeline.launch import run_stage_launched
+from verl_core.pipeline.plan import plan_stage
 from verl_core.pipeline.records import StageRecord
 from verl_core.pipeline.registry import base_model_record
 
@@ -145,7 +146,7 @@ def launched_record(stage: str, kind: str, base: Path, root: Path, pairs: StageR
     if key in _LAUNCHED and not extra:
         return _LAUNCHED[key]
     cfg = config(root / f"{kind}-{stage}", base, stage, f"launcher.kind={kind}", f"launcher.num_processes={PROCESSES}", *extra)
-    record = run_stage_launched(cfg, STEP_OF[stage], inputs_for(stage, cfg, pairs, sft), log_line=lines.append).record
+    record = run_stage_launched(plan_stage(cfg, STEP_OF[stage], inputs_for(stage, cfg, pairs, sft)), log_line=lines.append).record
     if not extra:
         _LAUNCHED[key] = record
     return record
@@ -221,8 +222,8 @@ def test_the_evaluation_table_is_the_same(sft_path, pairs, work):
         launcher = [f"launcher.kind={kind}"] + (["launcher.num_processes=2"] if kind == "torchrun" else [])
         cfg = config(work / f"eval-{kind}", sft_path, "dpo", *SETTINGS["sft"], "evaluation.num_rows=32", *launcher)
         base = base_model_record(cfg)
-        sft = run_stage_launched(cfg, "sft", {"base": base}).record
-        dpo = run_stage_launched(cfg, PO, {"sft": sft, "preference_data": pairs}).record
+        sft = run_stage_launched(plan_stage(cfg, "sft", {"base": base})).record
+        dpo = run_stage_launched(plan_stage(cfg, PO, {"sft": sft, "preference_data": pairs})).record
         ev = run_stage(cfg, "evaluation", {"base": base, "sft": sft, PO: dpo}).output
         tables.append(ev.tables["evaluation"])
     assert tables[0] == tables[1]

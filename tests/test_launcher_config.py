@@ -12,9 +12,9 @@ import yaml
 
 from verl_core.config import ConfigError
 from verl_core.pipeline import PipelineConfig, load_pipeline_config
-from verl_core.pipeline.keys import stage_key
 from verl_core.pipeline.launch import failure, torchrun_command
 from verl_core.pipeline.launcher_config import LauncherConfig, launcher_for
+from verl_core.pipeline.plan import plan_stage
 from verl_core.pipeline.registry import base_model_record
 
 pytestmark = pytest.mark.fast
@@ -61,7 +61,7 @@ def test_the_launcher_is_not_part_of_the_cache_key():
     local = PipelineConfig()
     spread = load_pipeline_config(None, ["launcher.kind=torchrun", "launcher.num_processes=8", "sft.launcher.kind=ray"])
     inputs = {"base": base_model_record(local)}
-    assert stage_key(local, "sft", inputs) == stage_key(spread, "sft", inputs)
+    assert plan_stage(local, "sft", inputs).key == plan_stage(spread, "sft", inputs).key
 
 
 def test_torchrun_commands_single_and_multi_machine(tmp_path):

@@ -109,7 +109,8 @@ def test_an_attention_without_packed_masks_falls_back_to_padded_rows_and_trains(
 
 
 def test_a_model_family_pruning_does_not_know_runs_its_last_layer_in_full_and_trains(tiny_path, monkeypatch, caplog):
-    from verl_core import DPOTrainer, forward
+    from verl_core import DPOTrainer
+    from verl_core.modeling import forward
 
     monkeypatch.setattr(forward, "PRUNABLE_LAYERS", ())
     with caplog.at_level(logging.INFO, logger="verl_core"):

@@ -16,6 +16,10 @@ from verl_core.pipeline.registry import stage_enabled, stage_for
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def key_of(cfg, name, inputs, round=None):
+    return stage_key(cfg, stage_for(cfg, name), inputs, round)
+
+
 def _record(stage: str, fp: str) -> StageRecord:
     return StageRecord(stage=stage, output_path=f"/x/{stage}", fingerprint=fp)
 
@@ -82,9 +86,9 @@ def test_only_the_selected_algorithms_section_enters_the_policy_stage_key():
     dpo = load_pipeline_config(None, ["policy_optimisation.algorithm=dpo"])
     other_changed = load_pipeline_config(None, ["policy_optimisation.algorithm=dpo", "policy_optimisation.grpo.max_steps=99"])
     own_changed = load_pipeline_config(None, ["policy_optimisation.algorithm=dpo", "policy_optimisation.dpo.beta=0.3"])
-    key = stage_key(dpo, "policy_optimisation", inputs)
-    assert stage_key(other_changed, "policy_optimisation", inputs) == key
-    assert stage_key(own_changed, "policy_optimisation", inputs) != key
+    key = key_of(dpo, "policy_optimisation", inputs)
+    assert key_of(other_changed, "policy_optimisation", inputs) == key
+    assert key_of(own_changed, "policy_optimisation", inputs) != key
 
 
 def test_stage_record_round_trips_through_json():
@@ -114,31 +118,31 @@ def test_fingerprint_depends_on_file_contents_and_names_only(tmp_path):
 
 def test_cache_key_changes_with_own_config_and_inputs_but_not_with_volatile_fields_or_run_ids():
     cfg = PipelineConfig()
-    k = stage_key(cfg, "reward_model", _inputs())
-    assert stage_key(cfg, "reward_model", _inputs()) == k
-    assert stage_key(cfg.updated(reward_model={"learning_rate": 5e-4}), "reward_model", _inputs()) != k
-    assert stage_key(cfg, "reward_model", _inputs(sft="s1")) != k  # upstream content changed
-    assert stage_key(cfg.updated(sft={"max_steps": 3}), "reward_model", _inputs()) == k  # only through the sft fingerprint
-    assert stage_key(cfg.updated(reward_model={"progress": False}), "reward_model", _inputs()) == k
+    k = key_of(cfg, "reward_model", _inputs())
+    assert key_of(cfg, "reward_model", _inputs()) == k
+    assert key_of(cfg.updated(reward_model={"learning_rate": 5e-4}), "reward_model", _inputs()) != k
+    assert key_of(cfg, "reward_model", _inputs(sft="s1")) != k  # upstream content changed
+    assert key_of(cfg.updated(sft={"max_steps": 3}), "reward_model", _inputs()) == k  # only through the sft fingerprint
+    assert key_of(cfg.updated(reward_model={"progress": False}), "reward_model", _inputs()) == k
     rec = _inputs()
     rec["sft"] = rec["sft"].model_copy(update={"mlflow_run_id": "another-run"})
-    assert stage_key(cfg, "reward_model", rec) == k
+    assert key_of(cfg, "reward_model", rec) == k
 
 
 def test_cache_key_of_a_local_data_file_follows_its_content(tmp_path):
     data = tmp_path / "sft.jsonl"
     data.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
     cfg = PipelineConfig().updated(sft={"data": {"path": str(data)}})
-    k = stage_key(cfg, "sft", _inputs())
+    k = key_of(cfg, "sft", _inputs())
     data.write_text(json.dumps({"prompt": "a", "completion": "c"}) + "\n")
-    assert stage_key(cfg, "sft", _inputs()) != k
+    assert key_of(cfg, "sft", _inputs()) != k
 
 
 def test_output_folder_is_deterministic_from_the_key(tmp_path):
     cfg = PipelineConfig(workdir=str(tmp_path))
-    key = stage_key(cfg, "sft", _inputs())
-    assert stage_dir(cfg, "sft", key) == stage_dir(cfg, "sft", stage_key(cfg, "sft", _inputs()))
-    assert stage_dir(cfg, "sft", key).parent == tmp_path / "stages"
+    key = key_of(cfg, "sft", _inputs())
+    assert stage_dir(cfg, "sft", None, key) == stage_dir(cfg, "sft", None, key_of(cfg, "sft", _inputs()))
+    assert stage_dir(cfg, "sft", None, key).parent == tmp_path / "stages"
 
 
 def test_given_outputs_skip_their_stage(tmp_path):
@@ -180,10 +184,10 @@ def test_a_change_of_the_bundled_task_changes_the_key_of_stages_that_read_it(mon
     from verl_core.bundled import arithmetic
 
     cfg = PipelineConfig()
-    before = {name: stage_key(cfg, name, _inputs()) for name in ("sft", "preference_data", "evaluation", "reward_model")}
+    before = {name: key_of(cfg, name, _inputs()) for name in ("sft", "preference_data", "evaluation", "reward_model")}
     real = arithmetic.preference_rows
     monkeypatch.setattr(arithmetic, "preference_rows", lambda problems, seed=0: real(problems, seed + 1))
-    after = {name: stage_key(cfg, name, _inputs()) for name in before}
+    after = {name: key_of(cfg, name, _inputs()) for name in before}
     assert [name for name in before if before[name] != after[name]] == ["preference_data"]
 
 
@@ -195,4 +199,4 @@ def test_a_given_final_policy_enables_the_policy_stage_as_given_output(tmp_path)
     assert rec.given and rec.stage == "policy_optimisation"
     # the evaluation key follows which policy is final
     inputs = _inputs()
-    assert stage_key(cfg, "evaluation", {**inputs, "policy_optimisation": rec}) != stage_key(cfg, "evaluation", inputs)
+    assert key_of(cfg, "evaluation", {**inputs, "policy_optimisation": rec}) != key_of(cfg, "evaluation", inputs)

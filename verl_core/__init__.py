@@ -12,6 +12,7 @@ from verl_core.algorithms.ppo import Trainer
 from verl_core.algorithms.registry import ALGORITHMS, Algorithm, get_algorithm
 from verl_core.algorithms.reward_model import RewardConfig, RewardTrainer
 from verl_core.algorithms.sft import SFTConfig, SFTTrainer
+from verl_core.bundled import arithmetic  # the bundled task, for examples: arithmetic.sft_rows(64)
 from verl_core.bundled.tiny_model import tiny_model_path
 from verl_core.config import ConfigError
 from verl_core.data import DataError
@@ -45,6 +46,7 @@ __all__ = [
     "TrainResult",
     "Trainer",
     "TrainingError",
+    "arithmetic",
     "get_algorithm",
     "load_causal_lm",
     "load_reward_model",

@@ -17,8 +17,8 @@ from pydantic import BaseModel
 
 from verl_core.data.fingerprint import fingerprint_path
 from verl_core.pipeline.config import DataSource, PipelineConfig
-from verl_core.pipeline.records import PREVIOUS_ROUND, StageRecord
-from verl_core.pipeline.registry import STEPS, stage_for, variant_of
+from verl_core.pipeline.records import PREVIOUS_ROUND, Stage, StageRecord
+from verl_core.pipeline.registry import STEPS
 from verl_core.train.precision import resolve_mixed_precision
 
 # Fields that change how a run looks, not what it computes: kept out of cache keys (batch sizes
@@ -66,9 +66,10 @@ def _data_fingerprints(section: Any) -> dict[str, str]:
     return out
 
 
-def stage_key(config: PipelineConfig, name: str, inputs: dict[str, StageRecord | None], round: int | None = None) -> str:
-    """Cache key of step ``name``: stage + code version + resolved config + input and data fingerprints."""
-    stage = stage_for(config, name)
+def stage_key(config: PipelineConfig, stage: Stage, inputs: dict[str, StageRecord | None], round: int | None = None) -> str:
+    """Cache key of ``stage`` (its step's selected variant): stage + code version + resolved config + input and data
+    fingerprints."""
+    name = stage.step
     used = stage.input_names(config) + stage.optional + (PREVIOUS_ROUND,) * bool(round and round > 1)
     payload = {
         "stage": stage.name,
@@ -83,7 +84,6 @@ def stage_key(config: PipelineConfig, name: str, inputs: dict[str, StageRecord |
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def stage_dir(config: PipelineConfig, name: str, key: str, round: int | None = None) -> Path:
-    variant = variant_of(config, name)
+def stage_dir(config: PipelineConfig, name: str, variant: str | None, key: str, round: int | None = None) -> Path:
     label = (f"{name}-{variant}" if variant else name) + (f"-round{round}" if round is not None else "")
     return config.workdir_path / "stages" / f"{label}-{key[:16]}"

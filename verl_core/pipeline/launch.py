@@ -1,7 +1,7 @@
 """Run a training stage where its launcher says: in this process, as a ``torchrun`` job, or on Ray.
 
-:func:`run_stage_launched` is what the Prefect task calls instead of
-:func:`~verl_core.pipeline.runner.run_stage`. For ``torchrun`` and ``ray`` it writes a request
+:func:`run_stage_launched` is what the Prefect task calls with the stage's plan instead of
+:func:`~verl_core.pipeline.runner.run_planned`. For ``torchrun`` and ``ray`` it writes a request
 file into the stage folder (``.launch/request.json``), starts the job as a subprocess whose
 ranks run :mod:`verl_core.pipeline.worker`, hands every line the job prints to ``log_line`` (the
 Prefect task's logger), and reads back the record rank 0 wrote. When any rank fails, it raises
@@ -26,11 +26,10 @@ from pathlib import Path
 
 from verl_core.algorithms.base import FINAL_MODEL_DIR
 from verl_core.config import ConfigError
-from verl_core.pipeline.config import PipelineConfig
-from verl_core.pipeline.keys import stage_dir, stage_key
 from verl_core.pipeline.launcher_config import TRAINING_STEPS, LauncherConfig, launcher_for
+from verl_core.pipeline.plan import StagePlan
 from verl_core.pipeline.records import HISTORY_FILE, RECORD_FILE, StageOutput, StageRecord, StageResult
-from verl_core.pipeline.runner import run_stage
+from verl_core.pipeline.runner import run_planned
 from verl_core.pipeline.worker import ERROR_FILE
 from verl_core.train.callbacks import Callback
 from verl_core.train.checkpoints import CHECKPOINTS_DIR
@@ -46,41 +45,29 @@ class DistributedStageError(RuntimeError):
 
 
 def run_stage_launched(
-    config: PipelineConfig,
-    name: str,
-    inputs: dict[str, StageRecord | None],
+    plan: StagePlan,
     callbacks: Sequence[Callback] = (),
     run_id: str | None = None,
     log_line: LogLine | None = None,
-    round: int | None = None,
 ) -> StageResult:
-    """:func:`run_stage` under the step's launcher (``local``: in this process, with ``callbacks``).
+    """:func:`run_planned` under the step's launcher (``local``: in this process, with ``callbacks``).
 
     Distributed, rank 0 reports to the MLflow run ``run_id`` itself; ``callbacks`` (in-process
     objects) cannot follow the job and are not called.
     """
+    config, name, out_dir = plan.config, plan.name, plan.out_dir
     launcher = launcher_for(config, name)
-    if launcher.kind == "local" or name not in TRAINING_STEPS:
-        return run_stage(config, name, inputs, callbacks=callbacks, run_id=run_id, round=round)
-    key = stage_key(config, name, inputs, round)
-    out_dir = stage_dir(config, name, key, round)
     record_file = out_dir / RECORD_FILE
-    if record_file.is_file():  # complete output already there: run_stage reuses it without training
-        return run_stage(config, name, inputs, callbacks=callbacks, run_id=run_id, round=round)
+    # in this process; or the complete output already there, which run_planned reuses without training
+    if launcher.kind == "local" or name not in TRAINING_STEPS or record_file.is_file():
+        return run_planned(plan, callbacks=callbacks, run_id=run_id)
     check_launchable(launcher)
     launch_dir = out_dir / LAUNCH_DIR
     launch_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*launch_dir.glob("rank-*"), *launch_dir.glob(".tmp-*")]:
         stale.unlink()
     request = launch_dir / REQUEST_FILE
-    payload = {
-        "config": config.model_dump(mode="json"),
-        "stage": name,
-        "inputs": {k: (v.model_dump(mode="json") if v is not None else None) for k, v in inputs.items()},
-        "run_id": run_id,
-        "round": round,
-        "threads": launcher.threads_per_process,
-    }
+    payload = {"plan": plan.to_request(), "run_id": run_id, "threads": launcher.threads_per_process}
     request.write_text(json.dumps(payload))
     command = torchrun_command(launcher, request) if launcher.kind == "torchrun" else ray_command(launcher, request)
     env = rank_environment(launcher)

@@ -27,17 +27,17 @@ def run(request_path: str) -> None:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from verl_core.pipeline.config import PipelineConfig
     from verl_core.pipeline.launcher_config import LauncherConfig, launcher_for
+    from verl_core.pipeline.plan import StagePlan
 
-    request = json.loads(Path(request_path).read_text())
-    config = PipelineConfig.from_dict(request["config"], source="the launch request")
-    launcher: LauncherConfig = launcher_for(config, request["stage"])
+    plan = StagePlan.from_request(json.loads(Path(request_path).read_text())["plan"])
+    config = plan.config
+    launcher: LauncherConfig = launcher_for(config, plan.name)
     forwarded = ("PYTHONPATH", "OMP_NUM_THREADS", "TQDM_DISABLE", "PYTHONUNBUFFERED", "MLFLOW_TRACKING_URI")
     env_vars = {k: os.environ[k] for k in forwarded if k in os.environ}
     env_vars.update(launcher.env)
     runtime_env = {"env_vars": env_vars}
-    rollout = config.async_rollout_settings() if request["stage"] == "policy_optimisation" else None
+    rollout = config.async_rollout_settings() if plan.name == "policy_optimisation" else None
     rollout_cpus = rollout.workers * rollout.worker_threads if rollout is not None else 0  # its Ray actors' share
     if launcher.ray_address is None:
         ray.init(
@@ -61,7 +61,7 @@ def run(request_path: str) -> None:
             ),
             torch_config=TorchConfig(backend="nccl" if launcher.gpus_per_worker else "gloo"),
             run_config=RunConfig(
-                name=f"verl-core-{request['stage']}",
+                name=f"verl-core-{plan.name}",
                 storage_path=str(Path(request_path).resolve().parent / "ray"),
                 failure_config=FailureConfig(max_failures=0),  # retries belong to the Prefect task
             ),

@@ -117,6 +117,11 @@ class Stage:
     def input_names(self, config: Any) -> tuple[str, ...]:
         return self.inputs(config) if callable(self.inputs) else self.inputs
 
+    @property
+    def step(self) -> str:
+        """The pipeline step this stage computes (``policy_optimisation`` for ``policy_optimisation:dpo``)."""
+        return self.name.split(":")[0]
+
 
 @dataclass(frozen=True)
 class Step:

@@ -1,4 +1,5 @@
-"""``run_stage``: the one entry point that computes a step into its deterministic folder.
+"""``run_planned``: the one function that computes a resolved stage run into its deterministic folder
+(``run_stage``: plan, then run).
 
 Prefect tasks (``tasks/``), the distributed worker and tests call it the same way; no Prefect here.
 """
@@ -9,10 +10,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from verl_core.config import ConfigError
 from verl_core.data.fingerprint import fingerprint_path
 from verl_core.pipeline.config import PipelineConfig
-from verl_core.pipeline.keys import stage_dir, stage_key
+from verl_core.pipeline.plan import StagePlan, plan_stage
 from verl_core.pipeline.records import (
     HISTORY_FILE,
     PREVIOUS_ROUND,
@@ -22,7 +22,7 @@ from verl_core.pipeline.records import (
     StageRecord,
     StageResult,
 )
-from verl_core.pipeline.registry import stage_for, variant_of
+from verl_core.pipeline.registry import stage_for
 from verl_core.pipeline.workdir_lock import stage_lock
 from verl_core.train.callbacks import Callback
 
@@ -35,37 +35,34 @@ def run_stage(
     inputs: dict[str, StageRecord | None],
     callbacks: Sequence[Callback] = (),
     run_id: str | None = None,
-    write_record: bool = True,
     round: int | None = None,
 ) -> StageResult:
     """Run step ``name`` (round ``round`` of it, for a stage that runs in rounds) into its
-    deterministic folder and return its record.
+    deterministic folder and return its record: :func:`~verl_core.pipeline.plan.plan_stage`, then
+    :func:`run_planned` (the Python API's entry point; the Prefect task plans once and calls
+    :func:`run_planned` itself, through its launcher)."""
+    return run_planned(plan_stage(config, name, inputs, round), callbacks, run_id)
+
+
+def run_planned(
+    plan: StagePlan, callbacks: Sequence[Callback] = (), run_id: str | None = None, write_record: bool = True
+) -> StageResult:
+    """Compute a resolved stage run into ``plan.out_dir``.
 
     A folder that already holds a complete record with the same key is reused as is; the record
     is written last (atomically), so a folder without one is an unfinished run to resume.
     ``write_record=False``: a distributed worker's other ranks, which train but leave the
     fingerprint and the record to rank 0.
     """
-    stage = stage_for(config, name)
-    for needed in stage.input_names(config):
-        if inputs.get(needed) is None:
-            raise ConfigError(f"stage {name!r} needs the output of {needed!r}")
-    if (round is not None) != (stage.rounds is not None):
-        raise ConfigError(f"stage {stage.name!r} " + ("runs in rounds: give round=" if round is None else "has no rounds"))
-    if round is not None and round > 1 and inputs.get(PREVIOUS_ROUND) is None:
-        raise ConfigError(f"round {round} of {stage.name!r} needs the record of round {round - 1}")
-    key = stage_key(config, name, inputs, round)
-    out_dir = stage_dir(config, name, key, round)
-    o = config.orchestration
+    o = plan.config.orchestration
     # one writer per stage folder; the reuse check below runs under the lock, so a run that waited
     # for another one to finish reuses its output instead of training into the same folder again
-    with stage_lock(config.workdir_path, out_dir, wait=o.busy_workdir == "wait", timeout=o.busy_wait_seconds):
-        return _run_locked(config, name, stage, key, out_dir, inputs, callbacks, run_id, write_record, round)
+    with stage_lock(plan.config.workdir_path, plan.out_dir, wait=o.busy_workdir == "wait", timeout=o.busy_wait_seconds):
+        return _run_locked(plan, callbacks, run_id, write_record)
 
 
-def _run_locked(
-    config, name, stage, key, out_dir: Path, inputs, callbacks, run_id, write_record: bool, round: int | None
-) -> StageResult:
+def _run_locked(plan: StagePlan, callbacks, run_id, write_record: bool) -> StageResult:
+    out_dir, key, name = plan.out_dir, plan.key, plan.name
     done = out_dir / RECORD_FILE
     if done.is_file():
         record = StageRecord.model_validate_json(done.read_text())
@@ -79,16 +76,9 @@ def _run_locked(
             reused.tables = json.loads(tables.read_text()) if tables.is_file() else {}
             return StageResult(record, reused, reused=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = StageContext(
-        config,
-        name,
-        variant_of(config, name),
-        {k: v for k, v in inputs.items() if v is not None},
-        out_dir,
-        list(callbacks),
-        round,
-    )
-    output = stage.fn(ctx)
+    inputs = {k: v for k, v in plan.inputs.items() if v is not None}
+    ctx = StageContext(plan.config, name, plan.variant, inputs, out_dir, list(callbacks), plan.round)
+    output = plan.stage.fn(ctx)
     if not write_record:
         return StageResult(StageRecord(stage=name, output_path=str(output.output_path), fingerprint=""), output)
     metrics = {k: float(v) for k, v in output.metrics.items() if isinstance(v, (int, float))}
@@ -100,7 +90,7 @@ def _run_locked(
         metrics=metrics,
         mlflow_run_id=run_id,
         cache_key=key,
-        round=round,
+        round=plan.round,
         extra=output.extra,
     )
     if output.model_to_log:

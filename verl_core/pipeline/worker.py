@@ -1,8 +1,8 @@
 """The entry point every rank of a distributed stage runs: ``python -m verl_core.pipeline.worker REQUEST``.
 
-``REQUEST`` is the JSON file :mod:`verl_core.pipeline.launch` writes (the pipeline config, the
-step, its inputs' records, the stage's MLflow run id). Every rank trains the stage through
-:func:`~verl_core.pipeline.runner.run_stage` (accelerate finds the process group torchrun or
+``REQUEST`` is the JSON file :mod:`verl_core.pipeline.launch` writes (the stage's resolved
+:class:`~verl_core.pipeline.plan.StagePlan`, its MLflow run id). Every rank trains the stage through
+:func:`~verl_core.pipeline.runner.run_planned` (accelerate finds the process group torchrun or
 Ray Train set up); rank 0 alone reports metrics to the MLflow run, logs the datasets, and
 writes the output and the record, atomically, as in-process. A rank that fails writes
 ``rank-N.error.json`` beside the request (type, message, traceback), so the launcher can
@@ -54,22 +54,19 @@ def _train(request: dict, r: int) -> None:
     import torch
 
     from verl_core.pipeline import tracking
-    from verl_core.pipeline.config import PipelineConfig
-    from verl_core.pipeline.records import StageRecord
-    from verl_core.pipeline.runner import run_stage
+    from verl_core.pipeline.plan import StagePlan
+    from verl_core.pipeline.runner import run_planned
     from verl_core.train.callbacks import MLflowCallback
 
     torch.set_num_threads(int(request.get("threads", 1)))
-    config = PipelineConfig.from_dict(request["config"], source="the launch request")
-    inputs = {k: (StageRecord.model_validate(v) if v is not None else None) for k, v in request["inputs"].items()}
+    plan = StagePlan.from_request(request["plan"])
+    config = plan.config
     run_id, main = request.get("run_id"), r == 0
     callbacks = []
     if main and run_id:
         tracking.configure(config)
         callbacks.append(MLflowCallback(run_id))
-    result = run_stage(
-        config, request["stage"], inputs, callbacks=callbacks, run_id=run_id, write_record=main, round=request.get("round")
-    )
+    result = run_planned(plan, callbacks=callbacks, run_id=run_id, write_record=main)
     if main and run_id:  # the launcher's process never sees the rows: log them here
         for use in result.output.datasets:
             tracking.log_dataset(config, run_id, use.name, use.rows, use.context, use.source)

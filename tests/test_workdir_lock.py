@@ -113,3 +113,41 @@ def test_runs_left_running_by_a_dead_process_are_ended_killed_with_a_note(tmp_pa
     run = c.get_run(dead)
     assert run.info.status == "KILLED" and "is gone" in run.data.tags["mlflow.note.content"]
     assert c.get_run(alive).info.status == c.get_run(untagged).info.status == "RUNNING"
+
+
+def _race_for_a_stale_lock(path, barrier, holders, most, rounds: int) -> None:
+    for _ in range(rounds):
+        barrier.wait()  # the parent has planted a stale lock; everyone tries at once
+        try:
+            with exclusive(path, "workdir race", wait=False):
+                with holders.get_lock():
+                    holders.value += 1
+                    most.value = max(most.value, holders.value)
+                time.sleep(0.01)
+                with holders.get_lock():
+                    holders.value -= 1
+        except WorkdirError:
+            pass
+        barrier.wait()  # round over
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_processes_racing_for_a_stale_lock_never_both_hold_it(tmp_path, processes):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    rounds, path = 100, tmp_path / LOCK_FILE
+    barrier, holders, most = ctx.Barrier(processes + 1), ctx.Value("i", 0), ctx.Value("i", 0)
+    procs = [ctx.Process(target=_race_for_a_stale_lock, args=(path, barrier, holders, most, rounds)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    dead = _dead_pid()
+    for _ in range(rounds):
+        path.unlink(missing_ok=True)
+        path.write_text(json.dumps({"pid": dead, "host": socket.gethostname(), "since": 0}))
+        barrier.wait()
+        barrier.wait()
+    for p in procs:
+        p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    assert most.value == 1  # never two holders at once, in any of the rounds

@@ -4,7 +4,9 @@ A lock is a file created with ``O_CREAT | O_EXCL`` (atomic on local file systems
 owner's PID, host and start time as JSON. A second run finds it and either waits, printing who
 holds it, or fails at once with :class:`~verl_core.errors.WorkdirError` (``orchestration.busy_workdir``).
 A lock whose owner is on this host and no longer alive (a ``kill -9``) is stale: it is removed and
-taken over. A lock held by another host is never taken over automatically (its PID means nothing
+taken over, under an OS file lock on ``<lock>.takeover`` held while the lock is read again, removed and
+created anew, so that of several processes finding the same stale lock exactly one takes it (the others
+then find the new owner alive). A lock held by another host is never taken over automatically (its PID means nothing
 here); the error says which file to delete once that run is known to be gone.
 
 The pipeline run holds ``<workdir>/.lock``; each stage additionally holds
@@ -16,6 +18,7 @@ cannot write into a folder a pipeline run is filling.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -61,6 +64,23 @@ def _try_create(path: Path) -> bool:
     return True
 
 
+def _take_over_stale(path: Path) -> bool:
+    """Replace a stale lock by this process's, with no window in which two processes both decide it is
+    stale: the decision, the removal and the create happen under an OS lock on ``<lock>.takeover``."""
+    guard = os.open(f"{path}.takeover", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released by the kernel if this process dies holding it
+        info = _read_owner(path)
+        if not _is_stale(info, path):
+            return False  # another process took it over meanwhile: it is alive now
+        log.warning("removing the stale lock %s of a run that is gone (%s)", path, info)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return _try_create(path)
+    finally:
+        os.close(guard)
+
+
 @contextlib.contextmanager
 def exclusive(path: Path, what: str, wait: bool = True, timeout: float = 3600.0, poll: float = 1.0) -> Iterator[Path]:
     """Hold the lock file ``path`` for the block; ``what`` names the locked thing in messages."""
@@ -69,9 +89,8 @@ def exclusive(path: Path, what: str, wait: bool = True, timeout: float = 3600.0,
     while not _try_create(path):
         info = _read_owner(path)
         if _is_stale(info, path):
-            log.warning("removing the stale lock %s of a run that is gone (%s)", path, info)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            if _take_over_stale(path):
+                break
             continue
         holder = f"process {info.get('pid')} on {info.get('host')}" if info else "another process"
         if info and int(info.get("pid", -1)) == os.getpid() and info.get("host") == socket.gethostname():

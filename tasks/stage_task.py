@@ -17,6 +17,7 @@ from prefect import Task, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import CacheKeyFnPolicy
 
+from tasks.result_guard import refuse_foreign_result
 from verl_core.errors import UserError
 from verl_core.pipeline import model_registry, tracking
 from verl_core.pipeline.config import PipelineConfig
@@ -29,8 +30,11 @@ Inputs = dict[str, StageRecord | None]
 
 
 def _cache_key(_ctx, parameters: dict[str, Any]) -> str:
-    plan = plan_stage(parameters["config"], parameters["stage"], parameters["inputs"], parameters.get("round"))
-    return f"{plan.name}-{plan.key}"
+    config = parameters["config"]
+    plan = plan_stage(config, parameters["stage"], parameters["inputs"], parameters.get("round"))
+    key = f"{plan.name}-{plan.key}"
+    refuse_foreign_result(config.result_storage_path / key)  # before Prefect reads it with the serializer it names
+    return key
 
 
 @task(

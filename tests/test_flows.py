@@ -8,6 +8,7 @@ the cache carries the rest over.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from pathlib import Path
@@ -326,3 +327,28 @@ def test_iterative_dpo_killed_in_round_2_resumes_with_round_1_cached_and_equal_f
     reference = run_all_rounds(cfg.updated(workdir=str(tmp_path)), "policy_optimisation", {"sft": first_result.records["sft"]})
     assert reference.record.extra["resumed_from_step"] == 0
     assert reference.record.fingerprint == final.fingerprint
+
+
+def test_a_planted_pickle_in_the_result_store_is_refused_not_run_and_the_stage_runs_again(first, tmp_path):
+    from prefect.results import ResultRecord, ResultRecordMetadata
+    from prefect.serializers import PickleSerializer
+
+    from flows import rlhf_pipeline
+
+    cfg, result, _ = first
+    (stored,) = [p for p in cfg.result_storage_path.glob("evaluation-*") if not p.name.endswith(".refused")]
+    marker = tmp_path / "pwned"
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    meta = ResultRecordMetadata(storage_key=str(stored), serializer=PickleSerializer())
+    stored.write_bytes(ResultRecord(result=Planted(), metadata=meta).serialize())
+    again = rlhf_pipeline(cfg)
+    assert not marker.exists()  # never unpickled
+    assert stored.with_name(stored.name + ".refused").is_file()
+    assert (
+        again.states["evaluation"] == "Completed"
+        and again.records["evaluation"].fingerprint == result.records["evaluation"].fingerprint
+    )

@@ -54,3 +54,35 @@ def test_user_errors_are_not_retried_other_failures_are():
 
     assert not retryable(Failed(data=DataError("d.jsonl line 2: not valid JSON")))
     assert retryable(Failed(data=ConnectionResetError("peer went away")))
+
+
+@pytest.mark.parametrize(
+    "setting, key, name",
+    [
+        ("evaluation.reward=exact_matchh", "evaluation.reward", "exact_matchh"),
+        ("policy_optimisation.grpo.reward_rules={nope: 1.0}", "policy_optimisation.grpo.reward_rules", "nope"),
+        ("policy_optimisation.ppo.eval_reward=zz", "policy_optimisation.ppo.eval_reward", "zz"),
+        (
+            "preference_data.sample_and_score.reward.reward_rules={gsm8kk: 1}",
+            "preference_data.sample_and_score.reward.reward_rules",
+            "gsm8kk",
+        ),
+    ],
+)
+def test_an_unknown_reward_name_fails_when_the_config_is_read_naming_the_key(tmp_path, capsys, setting, key, name):
+    """Not after every earlier stage has trained (it failed at evaluation after 326 s, retried)."""
+    assert main(["run", "--set", f"workdir={tmp_path}", "--set", setting]) == 2
+    err = capsys.readouterr().err
+    assert f"{key}: unknown rule reward {name!r}; registered: " in err and "exact_match" in err, err
+    assert "Traceback" not in err and not (tmp_path / "stages").exists()
+
+
+def test_an_unknown_reward_name_through_the_python_api_is_a_config_error():
+    from verl_core import GRPOConfig
+    from verl_core.config import ConfigError
+    from verl_core.rewards import RewardSource
+
+    with pytest.raises(ConfigError, match="eval_reward: unknown rule reward 'zz'"):
+        GRPOConfig(eval_reward="zz")
+    with pytest.raises(ConfigError, match="unknown rule reward 'nope'; registered: "):
+        RewardSource(rules={"nope": 1.0})

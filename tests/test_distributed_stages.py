@@ -2,7 +2,7 @@
 pipeline equal the in-process run that takes the same micro-batches: same parameters (measured
 bitwise equal; asserted within 1e-6), same metrics, same evaluation table.
 
-The guarantee (README, "Multi-GPU"): N processes with ``gradient_accumulation_steps`` a train like one
+The guarantee (README, "Scale: multi-GPU, multi-node, Ray"): N processes with ``gradient_accumulation_steps`` a train like one
 process with ``gradient_accumulation_steps`` N x a. Each process's rows are the r-th micro-batch of
 the one-process run (``verl_core.train.batches.micro_batch_indices``), padded alike, so every micro-batch
 gradient is computed on the same tensors; DDP's all-reduce adds the per-process gradients (a + b:

@@ -85,7 +85,9 @@ def _describe(err: ValidationError, name: str, source: str, overridden: set[str]
         if by is not None:
             where = f"{where} (from --set {by})"
         nested = (e.get("ctx") or {}).get("error")
-        if isinstance(nested, ConfigError):  # a section's own validation: its lines, prefixed with where it sits
+        if isinstance(nested, ConfigError) and len(str(nested).splitlines()) == 1:  # a validator's own message
+            lines.append(f"  {where}: {nested} (got {e.get('input')!r})")
+        elif isinstance(nested, ConfigError):  # a section's own validation: its lines, prefixed with where it sits
             prefix = "" if where == "(top level)" else f"{where}."
             for line in str(nested).splitlines()[1:]:
                 inner = line.strip()

@@ -340,8 +340,8 @@ class OnlineTrainer:
     def measures_mismatch(self) -> bool:
         """Whether old log-probs are recomputed to compare with the sampler's: a sampler other than the
         training model itself (vLLM), or a correction asked for."""
-        sampler = self.backend.inner if isinstance(self.backend, EpisodeSampler) else self.backend
-        other = not getattr(sampler, "shares_training_model", False) or self.config.rollout_correction != "none"
+        c = self.config  # rollout workers (async) never share the training module, whatever their backend
+        other = not (c.rollout.spec.shares_training_model and not c.async_rollout.enabled) or c.rollout_correction != "none"
         return other and not self.behaviour_is_old  # (with the behaviour's, the loss logs mismatch/*)
 
     def update(self, exp: dict[str, torch.Tensor], step: int) -> list[dict[str, float]]:

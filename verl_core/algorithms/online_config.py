@@ -14,6 +14,7 @@ from verl_core.algorithms.base import LMHeadSettings
 from verl_core.losses.correction import ROLLOUT_CORRECTIONS
 from verl_core.losses.policy import AGG_MODES, POLICY_LOSSES
 from verl_core.rewards.model import RewardSourceConfig
+from verl_core.rewards.rules import RuleName
 from verl_core.rollout.registry import RolloutConfig
 from verl_core.train.config import TrainConfig
 
@@ -83,7 +84,7 @@ class OnlineConfig(TrainConfig, RewardSourceConfig, LMHeadSettings, AgentSetting
     kl_target: float = Field(6.0, gt=0)
     kl_horizon: int = Field(10000, ge=1)
     missing_eos_penalty: float | None = Field(None, description="subtracted from the score of completions cut by max_new_tokens")
-    eval_reward: str = "exact_match"
+    eval_reward: RuleName = "exact_match"
     seed_per_prompt: bool = Field(
         False, description="sample each prompt from its own seeded stream: samples independent of the number of processes"
     )

@@ -35,6 +35,7 @@ from verl_core.config import ConfigError, StrictConfig
 from verl_core.pipeline.launcher_config import LauncherConfig
 from verl_core.preference_data import PreferenceDataConfig
 from verl_core.rewards.model import RewardSourceConfig
+from verl_core.rewards.rules import RuleName
 from verl_core.rollout.contract import SamplingParams
 from verl_core.rollout.registry import RolloutConfig
 
@@ -251,7 +252,7 @@ class EvaluationStageConfig(StrictConfig):
         default_factory=DataSource, description="rows with 'prompt' and 'ground_truth' (or implicit-prompt pairs)"
     )
     num_rows: int = Field(200, ge=1)
-    reward: str | None = Field("exact_match", description="rule reward for accuracy; null: reward-model score only")
+    reward: RuleName | None = Field("exact_match", description="rule reward for accuracy; null: reward-model score only")
     max_new_tokens: int = Field(32, ge=1)
     max_prompt_length: int = Field(256, ge=1, description="a longer prompt is an error naming its row")
     include_base: bool = True

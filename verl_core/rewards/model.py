@@ -23,7 +23,7 @@ from pydantic import Field
 from verl_core.config import ConfigError, StrictConfig
 from verl_core.data import collate_sequences
 from verl_core.modeling.loading import DType, load_reward_model, load_tokenizer
-from verl_core.rewards.rules import RULE_REWARDS, RewardError, RewardFn, _checked_scores, get_rule_reward
+from verl_core.rewards.rules import RULE_REWARDS, RewardError, RewardFn, RuleWeights, _checked_scores, get_rule_reward
 
 Prompt = Union[str, list[dict[str, str]]]
 
@@ -126,7 +126,7 @@ def _keep_last(ids: torch.Tensor, mask: torch.Tensor, max_length: int, pad_id: i
 class RewardSourceConfig(StrictConfig):
     """The serialisable part of a reward: rule names and weights, and a reward-model folder."""
 
-    reward_rules: dict[str, float] | None = Field(None, description="rule reward name -> weight (see RULE_REWARDS)")
+    reward_rules: RuleWeights = Field(None, description="rule reward name -> weight (see RULE_REWARDS)")
     reward_model_path: str | None = None
     reward_model_weight: float = 1.0
 

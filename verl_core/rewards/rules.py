@@ -15,8 +15,11 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
-from typing import Optional
+from typing import Annotated, Optional
 
+from pydantic import AfterValidator
+
+from verl_core.config import ConfigError
 from verl_core.errors import UserError
 
 RewardFn = Callable[[Sequence[str], Sequence[Optional[str]]], list[float]]
@@ -55,11 +58,27 @@ def register_rule_reward(name: str, overwrite: bool = False) -> Callable[[Reward
 
 
 def get_rule_reward(name: str) -> RewardFn:
-    """The registered reward ``name``; ValueError listing the known names if there is none."""
+    """The registered reward ``name``; a :class:`ConfigError` listing the known names if there is none."""
     try:
         return RULE_REWARDS[name]
     except KeyError:
-        raise ValueError(f"unknown rule reward {name!r}; registered: {sorted(RULE_REWARDS)}") from None
+        raise ConfigError(f"unknown rule reward {name!r}; registered: {', '.join(sorted(RULE_REWARDS))}") from None
+
+
+def known_rule(name: str) -> str:
+    """A config field's validator: ``name`` is a registered rule reward (checked when the config is read)."""
+    get_rule_reward(name)
+    return name
+
+
+def known_rules(weights: dict[str, float] | None) -> dict[str, float] | None:
+    for name in weights or {}:
+        get_rule_reward(name)
+    return weights
+
+
+RuleName = Annotated[str, AfterValidator(known_rule)]
+RuleWeights = Annotated[Optional[dict[str, float]], AfterValidator(known_rules)]
 
 
 # --- answer extraction ---------------------------------------------------------------------

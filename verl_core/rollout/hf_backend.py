@@ -38,8 +38,6 @@ class HFRolloutBackend:
     sampling distribution and log-probs are always computed in fp32 from the logits.
     """
 
-    shares_training_model = True  # samples with the live module: its log-probs are the trainer's own
-
     def __init__(
         self,
         model: torch.nn.Module,

@@ -103,18 +103,17 @@ class RolloutBackendSpec:
 
     ``shares_training_model``: samples with the live training module in this process (nothing to start,
     no weight copy, its log-probs are the trainer's own); ``per_training_process``: one can run beside each
-    of several training processes; ``options``: the name of its option section in :class:`RolloutConfig`."""
+    of several training processes. Its options, if any, are the section of :class:`RolloutConfig` named after it."""
 
     build: Callable[..., RolloutBackend]  # (config, live model, tokenizer, autocast dtype) -> backend
     summary: str
     shares_training_model: bool
     per_training_process: bool
-    options: str | None = None
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutBackendSpec] = {
-    "hf": RolloutBackendSpec(_hf_backend, "the policy's KV cache in this process", HFRolloutBackend.shares_training_model, True),
-    "vllm": RolloutBackendSpec(_vllm_backend, "a colocated vLLM engine (options: rollout.vllm)", False, False, "vllm"),
+    "hf": RolloutBackendSpec(_hf_backend, "the policy's KV cache in this process", True, True),
+    "vllm": RolloutBackendSpec(_vllm_backend, "a colocated vLLM engine (options: rollout.vllm)", False, False),
 }
 
 

@@ -112,7 +112,7 @@ class VLLMRolloutBackend:
             raise VLLMUnavailableError(f"the vLLM backend loads a model folder with a config.json; {model_path} has none")
         self.on_gpu = torch.cuda.is_available()
         if sleep_between_rollouts and not self.on_gpu:
-            raise ConfigError("rollout.sleep_between_rollouts frees GPU memory between rollouts; this machine has no GPU")
+            raise ConfigError("rollout.vllm.sleep_between_rollouts frees GPU memory between rollouts; this machine has no GPU")
         self.sleep_between_rollouts = sleep_between_rollouts
         options: dict[str, Any] = dict(
             model=self.model_path,

@@ -25,6 +25,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from tasks.prefect_settings import STARTUP_TIMEOUT_SETTING, startup_timeout
 from verl_core.algorithms.registry import ALGORITHMS
 from verl_core.errors import UserError
 from verl_core.pipeline.config import PipelineConfig, load_pipeline_config
@@ -39,10 +40,12 @@ def _config(args) -> PipelineConfig:
     return load_pipeline_config(path, list(args.set or []))
 
 
+class PrefectStartupError(UserError, RuntimeError):
+    """Prefect's temporary local API did not start in time (a busy machine); nothing trained."""
+
+
 def _quiet_defaults() -> None:
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")  # busy laptops start it slowly
     from verl_core.train.progress import quiet_library_bars
 
     quiet_library_bars()  # `make run > log`: lines, not progress-bar frames
@@ -114,7 +117,17 @@ def _run_flow(args, flow_call) -> int:
     preflight(config)
     if not args.debug:
         _quiet_user_error_tracebacks()
-    _report(flow_call(config), config)
+    try:
+        result = flow_call(config)
+    except RuntimeError as err:
+        if "ephemeral Prefect API server" not in str(err):
+            raise
+        raise PrefectStartupError(
+            f"Prefect's temporary local API did not start within {startup_timeout()} s (a busy machine starts it "
+            f"slowly); nothing was trained. Raise {STARTUP_TIMEOUT_SETTING} (now {startup_timeout()}), or start "
+            "persistent servers with `verl-core servers` and export PREFECT_API_URL"
+        ) from None
+    _report(result, config)
     return 0
 
 

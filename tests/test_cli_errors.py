@@ -86,3 +86,41 @@ def test_an_unknown_reward_name_through_the_python_api_is_a_config_error():
         GRPOConfig(eval_reward="zz")
     with pytest.raises(ConfigError, match="unknown rule reward 'nope'; registered: "):
         RewardSource(rules={"nope": 1.0})
+
+
+def test_prefect_settings_defaults_are_in_place_before_prefect_is_imported():
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import flows.cli\nfrom prefect.settings import get_current_settings\n"
+        "print(get_current_settings().server.ephemeral.startup_timeout_seconds)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "120", out.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_prefect_api_that_does_not_start_in_time_is_one_line_and_leaves_no_lock_nor_running_run(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from mlflow import MlflowClient
+
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1"}
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--set", f"workdir={tmp_path / 'w'}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("verl-core: ")]
+    assert out.returncode == 1 and len(errors) == 1, out.stderr[-3000:]
+    assert "PrefectStartupError" in errors[0] and "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (now 1)" in errors[0]
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "w" / ".lock").exists() and not (tmp_path / "w" / "stages").exists()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'w' / 'mlflow.db'}")
+    running = [
+        r for e in client.search_experiments() for r in client.search_runs([e.experiment_id]) if r.info.status == "RUNNING"
+    ]
+    assert not running

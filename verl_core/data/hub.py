@@ -31,4 +31,7 @@ def hub_offline() -> bool:
 
 
 def not_found_hint(text: str) -> str:
-    return f"(a hub id is written {HUB_PREFIX}{text}, or set {ALLOW_BARE_IDS}=1 to read org/name as one)"
+    """A hint for a missing path that could have meant a hub id (``org/name``); none for what is plainly a path."""
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        return ""
+    return f" (a hub id is written {HUB_PREFIX}{text}, or set {ALLOW_BARE_IDS}=1 to read org/name as one)"

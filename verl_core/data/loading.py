@@ -69,7 +69,7 @@ def _from_path_or_id(text: str, split: str) -> datasets.Dataset:
         return _from_file(path)
     repo = hub_id(text)
     if repo is None:
-        raise DataError(f"data path does not exist: {text} {not_found_hint(text)}")
+        raise DataError(f"data path does not exist: {text}{not_found_hint(text)}")
     if hub_offline():
         raise DataError(f"{text!r} is not a local path, and hub downloads are off (HF_HUB_OFFLINE=1)")
     try:

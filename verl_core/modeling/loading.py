@@ -32,7 +32,7 @@ class LoraSettings(StrictConfig):
     target_modules: list[str] | str = "all-linear"
 
 
-def _check_source(path: str | os.PathLike) -> str:
+def check_model_source(path: str | os.PathLike) -> str:
     text = str(path)
     if Path(text).expanduser().is_dir():
         if not (Path(text).expanduser() / "config.json").is_file():
@@ -40,7 +40,7 @@ def _check_source(path: str | os.PathLike) -> str:
         return str(Path(text).expanduser())
     repo = hub_id(text)
     if repo is None or Path(text).exists():
-        raise ModelLoadError(f"model path does not exist: {text} {not_found_hint(text)}")
+        raise ModelLoadError(f"model path does not exist: {text}{not_found_hint(text)}")
     if hub_offline():
         raise ModelLoadError(f"{text!r} is not a local folder and hub downloads are off (HF_HUB_OFFLINE=1)")
     return repo
@@ -49,7 +49,7 @@ def _check_source(path: str | os.PathLike) -> str:
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    source = _check_source(path)
+    source = check_model_source(path)
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except Exception as err:  # any loader failure (truncated file, refused pickle) is about this folder
@@ -60,7 +60,7 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
 
 
 def _from_pretrained(auto_cls, path, dtype: DType, trust_remote_code: bool, **kwargs):
-    source = _check_source(path)
+    source = check_model_source(path)
     quiet_library_bars()  # off a terminal "Loading weights" would write a frame per tensor into the log
     try:
         return auto_cls.from_pretrained(source, dtype=TORCH_DTYPES[dtype], trust_remote_code=trust_remote_code, **kwargs)

@@ -1,4 +1,5 @@
-"""Checks that fail in seconds, before any training: the workdir and the MLflow tracking URI.
+"""Checks that fail in seconds, before any training: the workdir, the MLflow tracking URI, every model
+path the run will load and every data file it will read (:mod:`.data_checks`).
 
 Without them a read-only workdir failed after minutes of training (at the first checkpoint) and an
 unreachable tracking server after MLflow's own retries (~4 minutes). Each failure is a
@@ -17,6 +18,7 @@ from pathlib import Path
 from verl_core.errors import TrackingError, WorkdirError
 from verl_core.pipeline import tracking
 from verl_core.pipeline.config import PipelineConfig
+from verl_core.pipeline.data_checks import check_data
 from verl_core.pipeline.workdir_lock import exclusive
 
 TRACKING_TIMEOUT_S = 5.0
@@ -66,6 +68,37 @@ def check_tracking(config: PipelineConfig) -> None:
                 raise TrackingError(f"MLflow store {uri} cannot be opened: {type(err).__name__}: {err}") from None
 
 
+def model_paths(config: PipelineConfig) -> dict[str, str]:
+    """Config key -> every model folder (or hub id) the enabled stages will load that the user gave."""
+    po = config.policy_optimisation
+    section = getattr(po, po.algorithm, None)
+    paths = {
+        "base_model": config.base_model,
+        "sft.model_path": config.sft.model_path,
+        "reward_model.model_path": config.reward_model.model_path,
+        "policy_optimisation.model_path": po.model_path,
+        f"policy_optimisation.{po.algorithm}.reward_model_path": getattr(section, "reward_model_path", None),
+        "preference_data.sample_and_score.reward.reward_model_path": (
+            config.preference_data.sample_and_score.reward.reward_model_path
+            if config.preference_data.method == "sample_and_score"
+            else None
+        ),
+    }
+    return {k: v for k, v in paths.items() if v is not None}
+
+
+def check_models(config: PipelineConfig) -> None:
+    from verl_core.modeling.loading import ModelLoadError, check_model_source
+
+    for key, path in model_paths(config).items():
+        try:
+            check_model_source(path)
+        except ModelLoadError as err:
+            raise ModelLoadError(f"{key}: {err}") from None
+
+
 def preflight(config: PipelineConfig) -> None:
     check_workdir(config)
+    check_models(config)
+    check_data(config)
     check_tracking(config)

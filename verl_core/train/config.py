@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -53,6 +54,13 @@ class TrainConfig(StrictConfig):
     def _yaml_no(cls, value):
         # YAML 1.1 reads a bare `no` as False
         return "no" if value is False else value
+
+    @field_validator("output_dir")
+    @classmethod
+    def _a_folder(cls, value):
+        if value is not None and Path(value).expanduser().exists() and not Path(value).expanduser().is_dir():
+            raise ValueError(f"{value} is a file, not a folder; choose another output_dir or move the file")
+        return value
 
     @model_validator(mode="after")
     def _resolve_precision(self):

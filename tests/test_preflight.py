@@ -1,0 +1,85 @@
+"""Everything a run needs is checked before its first step: data files of every enabled stage (fields
+of every row, named by key, file, row and line), model paths, output folders; in seconds, not after
+the stages before it have trained."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from flows.cli import main
+
+pytestmark = pytest.mark.fast
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _run(tmp_path, capsys, *sets):
+    start = time.monotonic()
+    code = main(["run", "--set", f"workdir={tmp_path / 'w'}", *[a for s in sets for a in ("--set", s)]])
+    err = capsys.readouterr().err
+    assert not (tmp_path / "w" / "stages").exists(), "a stage started"
+    assert "Traceback" not in err
+    return code, err, time.monotonic() - start
+
+
+def test_a_missing_evaluation_file_fails_before_any_stage_trains(tmp_path, capsys):
+    code, err, took = _run(tmp_path, capsys, "evaluation.data.path=/nonexistent/eval.jsonl")
+    assert code == 1 and "DataError: data path does not exist: /nonexistent/eval.jsonl" in err, err
+    assert "hf://" not in err  # no hub hint for an absolute path
+    assert took < 60
+
+
+def test_a_row_without_a_field_names_the_key_file_row_and_line(tmp_path, capsys):
+    sft = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "1+1=", "completion": "2"}] * 3 + [{"prompt": "2+2="}])
+    code, err, _ = _run(tmp_path, capsys, f"sft.data.path={sft}")
+    assert code == 1 and f"sft.data: {sft} row 3 (line 4): missing field 'completion'" in err, err
+
+
+def test_prompts_without_ground_truth_are_named_when_a_rule_needs_one(tmp_path, capsys):
+    prompts = _jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1="}])
+    sets = ["policy_optimisation.algorithm=grpo", f"policy_optimisation.prompts.path={prompts}"]
+    code, err, _ = _run(tmp_path, capsys, *sets)
+    assert code == 1 and f"policy_optimisation.prompts: {prompts} row 0 (line 1): missing field 'ground_truth'" in err, err
+    # a rule that scores without a ground truth does not ask for one
+    from verl_core.pipeline.data_checks import rule_needs_ground_truth
+
+    assert rule_needs_ground_truth("exact_match") and rule_needs_ground_truth("gsm8k") and not rule_needs_ground_truth("format")
+
+
+def test_a_missing_model_folder_is_named_by_its_key(tmp_path, capsys):
+    code, err, _ = _run(tmp_path, capsys, f"sft.model_path={tmp_path / 'nope'}")
+    assert code == 1 and f"sft.model_path: model path does not exist: {tmp_path / 'nope'}" in err, err
+
+
+def test_an_output_dir_that_is_a_file_is_a_config_error_through_the_api(tmp_path):
+    from verl_core import SFTConfig
+    from verl_core.config import ConfigError
+
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match=r"output_dir: .*f is a file, not a folder"):
+        SFTConfig(output_dir=str(tmp_path / "f"))
+
+
+def test_real_gsm8k_with_its_columns_passes_the_checks(tmp_path, shared_data):
+    from verl_core.pipeline.config import load_pipeline_config
+    from verl_core.pipeline.data_checks import check_data
+
+    gsm8k = shared_data / "gsm8k-test.jsonl"
+    cfg = load_pipeline_config(
+        None,
+        [
+            f"sft.data.path={gsm8k}",
+            "sft.data.columns={prompt: question, completion: answer}",
+            "sft.data.limit=50",
+            f"evaluation.data.path={gsm8k}",
+            "evaluation.data.columns={prompt: question, ground_truth: answer}",
+            "evaluation.reward=gsm8k",
+        ],
+    )
+    check_data(cfg)

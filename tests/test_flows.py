@@ -336,7 +336,8 @@ def test_a_planted_pickle_in_the_result_store_is_refused_not_run_and_the_stage_r
     from flows import rlhf_pipeline
 
     cfg, result, _ = first
-    (stored,) = [p for p in cfg.result_storage_path.glob("evaluation-*") if not p.name.endswith(".refused")]
+    key = result.records["evaluation"].cache_key
+    (stored,) = [p for p in cfg.result_storage_path.glob("evaluation-*") if p.name.endswith(key)]
     marker = tmp_path / "pwned"
 
     class Planted:

@@ -355,7 +355,10 @@ def test_flash_attention_falls_back_to_packing_without_shared_prompts(tiny_path)
     model = load_causal_lm(tiny_path)
     model.config._attn_implementation = "flash_attention_2"
     trainer = DPOTrainer(
-        model=model, tokenizer=load_tokenizer(tiny_path), train_dataset=arithmetic.preference_rows(arithmetic.train_problems(4))
+        model=model,
+        tokenizer=load_tokenizer(tiny_path),
+        train_dataset=arithmetic.preference_rows(arithmetic.train_problems(4)),
+        batch_size=4,
     )
     assert trainer.config.packing and not trainer.config.share_prompt
     assert "flash_attention_2" in trainer.speed_features["fallbacks"]["share_prompt"]

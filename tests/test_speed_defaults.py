@@ -153,6 +153,7 @@ def test_the_seeds_one_row_dpo_example_runs_verbatim(tiny_path, caplog):
             beta=0.1,
             learning_rate=1e-4,
             batch_size=16,
+            shrink_batch_to_data=True,
             num_epochs=1,
         )
     assert [r for r in caplog.records if "fewer than batch_size 16" in r.getMessage()]
@@ -162,7 +163,13 @@ def test_the_seeds_one_row_dpo_example_runs_verbatim(tiny_path, caplog):
 
 def test_fewer_rows_than_batch_size_train_on_what_there_is(tiny_path):
     trainer = SFTTrainer(
-        str(tiny_path), train_dataset=arithmetic.sft_rows(5), batch_size=16, gradient_accumulation_steps=2, max_steps=2, **QUIET
+        str(tiny_path),
+        train_dataset=arithmetic.sft_rows(5),
+        batch_size=16,
+        shrink_batch_to_data=True,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        **QUIET,
     )
     assert trainer.config.batch_size == 4 and trainer.config.gradient_accumulation_steps == 2
     assert trainer.train().steps == 2
@@ -191,3 +198,10 @@ def test_fused_lm_head_has_a_switch(tiny_path):
     off = SFTTrainer(str(tiny_path), train_dataset=arithmetic.sft_rows(16), fused_lm_head=False)
     assert not off.speed_features["fused_lm_head"] and off.speed_features["fallbacks"] == {}
     assert not bool(off.collate(off.train_examples[:2])["fused_lm_head"])
+
+
+def test_fewer_rows_than_batch_size_is_an_error_naming_both_unless_allowed(tiny_path):
+    from verl_core.errors import TrainingError
+
+    with pytest.raises(TrainingError, match="the dataset has 1 rows, fewer than batch_size 16: .*shrink_batch_to_data"):
+        SFTTrainer(str(tiny_path), train_dataset=arithmetic.sft_rows(1), batch_size=16, max_steps=1, **QUIET)

@@ -118,10 +118,15 @@ class OfflineTrainer:
         self.engine: Engine | None = None
 
     def _fit_batch_to_data(self) -> None:
-        """Fewer rows than ``batch_size``: train on batches of what there is (a warning, not an error)."""
+        """Fewer rows than ``batch_size``: an error naming both, or with ``shrink_batch_to_data`` batches of what there is."""
         c, n = self.config, len(self.train_examples)
         if n >= c.batch_size:
             return
+        if not c.shrink_batch_to_data:
+            raise TrainingError(
+                f"the dataset has {n} rows, fewer than batch_size {c.batch_size}: give more rows, a smaller batch_size, "
+                "or shrink_batch_to_data: true to train on batches of what there is"
+            )
         from accelerate import PartialState
 
         world = PartialState().num_processes

@@ -27,6 +27,9 @@ class TrainConfig(StrictConfig):
     max_steps: int | None = Field(None, ge=1)
     num_epochs: float | None = Field(None, gt=0)
     batch_size: int = Field(16, ge=1, description="global batch per optimizer step: all processes and micro-batches")
+    shrink_batch_to_data: bool = Field(
+        False, description="a dataset with fewer rows than batch_size: true trains on batches of what there is; false: an error"
+    )
     gradient_accumulation_steps: int = Field(1, ge=1)
     max_grad_norm: float | None = 1.0
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(

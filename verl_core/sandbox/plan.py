@@ -2,7 +2,7 @@
 
 Kept apart from :mod:`verl_core.sandbox.runner` (which runs and watches the child) because this
 part only decides *what* to start. With namespaces the command is
-``unshare --net --pid --fork --kill-child [--mount --mount-proc] -- sh -c SCRIPT verl-sandbox
+``unshare --net --pid --ipc --fork --kill-child [--mount --mount-proc] -- sh -c SCRIPT verl-sandbox
 python -I -S -B -X utf8 -c <bootstrap> verl-sandbox <config>``: ``sh`` is the pid namespace's
 init, so Python is an ordinary process (signals and exit codes as usual) and when ``sh`` ends
 the kernel kills whatever the program left in the namespace. ``SCRIPT`` does the mounts (as root
@@ -16,6 +16,7 @@ import json
 import os
 import shlex
 import shutil
+import stat
 import sys
 import sysconfig
 import tempfile
@@ -24,6 +25,10 @@ from pathlib import Path
 
 SANDBOX_UID = SANDBOX_GID = 65534  # "nobody": owns nothing, is in no group
 DATA_DIRS = ("/usr/share/zoneinfo",)  # public data the stdlib reads (zoneinfo); readable by the program
+# Writable shared places hidden behind a private tmpfs; SCANNED_DIRS (and every mount point) are
+# searched one level deep for more folders the sandbox uid could write to.
+SHARED_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/shm", "/run/lock", "/var/lock", "/dev/mqueue", "/var/crash")
+SCANNED_DIRS = ("/", "/var", "/run", "/dev", "/var/lib", "/var/spool", "/var/cache", "/var/mail", "/srv", "/opt", "/mnt")
 _CHILD_SOURCE = Path(__file__).with_name("child.py")
 _RUN = '"$@"; exit $?'  # not `exec`: sh stays the namespace's init and reports a signal as 128 + n
 
@@ -32,19 +37,23 @@ _RUN = '"$@"; exit $?'  # not `exec`: sh stays the namespace's init and reports 
 class Isolation:
     """Which kernel layers a sandboxed child gets (the rlimits, timeout and hook it always gets)."""
 
-    namespaces: bool  # new network and pid namespaces (unshare)
+    namespaces: bool  # new network, pid and IPC namespaces (unshare)
     user_namespace: bool  # inside a user namespace (non-root callers: --map-root-user)
-    mounts: bool  # new mount namespace: private tmpfs folder, home/repository/temp folders hidden
+    mounts: bool  # new mount namespace: private tmpfs folder; home, repository and shared writable folders hidden
     uid: int | None  # the uid the child drops to (root callers), None: the caller's
 
     def describe(self) -> str:
         parts = []
         if self.namespaces:
-            parts.append("network and pid namespaces" + (" (in a user namespace)" if self.user_namespace else ""))
+            parts.append("network, pid and IPC namespaces" + (" (in a user namespace)" if self.user_namespace else ""))
         else:
             parts.append("no namespaces (network blocked by the audit hook only)")
         if self.mounts:
-            parts.append("mount namespace (private tmpfs folder; home, repository and temp folders hidden)")
+            ro = "" if self.user_namespace else "; / read-only"
+            hidden = "home, repository, /tmp and other shared writable folders hidden"
+            parts.append(f"mount namespace (private tmpfs folder; {hidden}{ro})")
+        else:
+            parts.append("no mount namespace (/tmp, /dev/shm, home and repository NOT hidden: only the audit hook guards them)")
         parts.append(f"uid {self.uid}" if self.uid is not None else f"the caller's uid {os.geteuid()}")
         return "; ".join(parts) + "; rlimits, group kill, empty environment, audit hook"
 
@@ -88,55 +97,97 @@ def _outermost(paths: list[str]) -> list[str]:
     return [p for p in unique if not any(q != p and _within(p, q) for q in unique)]
 
 
+def _writable_by_sandbox(path: str) -> bool:
+    """A folder that any user, or the sandbox uid or group, may write to (following links)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    owned = st.st_uid == SANDBOX_UID or (st.st_gid == SANDBOX_GID and st.st_mode & stat.S_IWGRP)
+    return stat.S_ISDIR(st.st_mode) and bool(st.st_mode & stat.S_IWOTH or owned)
+
+
+def _mount_points() -> list[str]:
+    try:
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4].replace("\\040", " ") for line in f if len(line.split()) > 4]
+    except OSError:
+        return []
+    return [p for p in points if not _within(p, "/proc") and not _within(p, "/sys") and not _within(p, "/dev/pts")]
+
+
+def shared_writable_dirs() -> list[str]:
+    """The writable shared places: the usual temp folders and every folder writable by the sandbox
+    uid found at the top of the file systems (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``, ...)."""
+    found = [p for p in SHARED_DIRS if _writable_by_sandbox(p)]
+    for top in {*SCANNED_DIRS, *_mount_points()}:
+        found += [top] if _writable_by_sandbox(top) and top != "/" else []
+        try:
+            with os.scandir(top) as entries:
+                found += [e.path for e in entries if e.is_dir(follow_symlinks=False) and _writable_by_sandbox(e.path)]
+        except OSError:
+            continue
+    return sorted({os.path.realpath(p) for p in found})
+
+
 @functools.lru_cache(maxsize=1)
-def _plan() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """(folders to hide, temp folders to replace, interpreter folders to mount back), fixed per process."""
+def _plan() -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """((folder, tmpfs mode) to cover with an empty tmpfs, interpreter folders to mount back), fixed per process.
+
+    Covered: the home, the repository and the caller's working folder (mode 0755: nothing to see)
+    and every writable shared place (mode 1777: a private, empty, 1 MiB temp folder)."""
     real = lambda p: os.path.realpath(p)  # noqa: E731
     keeps = _outermost(
         [real(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *site_dirs()) if os.path.isdir(p)]
         + [os.path.dirname(real(sys.executable))]
     )
-    temp = real(tempfile.gettempdir())
 
     def usable(path: str) -> bool:  # never "/" and never a folder inside (or equal to) an interpreter folder
         return os.path.isdir(path) and path != "/" and not any(_within(path, k) for k in keeps)
 
-    temps = [t for t in map(real, ("/tmp", "/var/tmp", "/dev/shm", temp)) if usable(t)]
-    temps = _outermost([t for t in temps if not any(_within(k, t) for k in keeps)])
-    candidates = [os.path.expanduser("~"), "/root", "/home", str(Path(__file__).resolve().parents[2]), os.getcwd()]
-    hidden = [h for h in map(real, candidates) if usable(h) and not _within(temp, h) and not any(_within(h, t) for t in temps)]
-    hidden = _outermost(hidden)
-    binds = tuple(k for k in keeps if any(_within(k, h) for h in hidden))
-    return tuple(hidden), tuple(temps), binds
+    temps = [t for t in map(real, (*shared_writable_dirs(), tempfile.gettempdir())) if usable(t)]
+    hidden = [os.path.expanduser("~"), "/root", "/home", str(Path(__file__).resolve().parents[2]), os.getcwd()]
+    hidden = [h for h in map(real, hidden) if usable(h)]
+    covers = _outermost([*hidden, *temps])
+    modes = tuple((c, "1777" if c in temps and c not in hidden else "0755") for c in covers)
+    return modes, tuple(k for k in keeps if any(_within(k, c) for c in covers))
 
 
 def _mount_script(root: str, workdir: str, folder_mb: int, uid: int | None, user_namespace: bool) -> str:
-    """The shell lines run as root of the new mount namespace before Python starts."""
-    hidden, temps, binds = _plan()
+    """The shell lines run as root of the new mount namespace before Python starts.
+
+    Each covered folder gets a fresh tmpfs, first at a staging point in the run's folder, where
+    the interpreter's folders (read-only) and the working folder are put back inside it; then it
+    is moved over the folder, the one holding the run's folder last (it hides the staging points)."""
+    covers, keeps = _plan()
     q, mount, mkdir = shlex.quote, _tool("mount"), _tool("mkdir")
-    lines = ["set -e", "umask 022"]
-    # 1. keep the interpreter's folders reachable (staged under the run's folder), 2. hide their
-    # ancestors (the home, the repository) behind empty tmpfs, 3. put the interpreter back, read-only
-    lines += [f"{mount} --bind {q(k)} {q(os.path.join(root, f's{i}'))}" for i, k in enumerate(binds)]
-    lines += [f"{mount} -t tmpfs -o mode=0755,size=1m,nosuid,nodev sandbox-hidden {q(h)}" for h in hidden]
-    for i, k in enumerate(binds):
-        lines += [f"{mkdir} -p {q(k)}", f"{mount} --move {q(os.path.join(root, f's{i}'))} {q(k)}"]
-        lines.append(f"{mount} -o remount,bind,ro,nosuid,nodev {q(k)}")
-    # 4. fresh, nearly full temp folders; 5. the working folder: a private, size-limited tmpfs
-    lines += [f"{mount} -t tmpfs -o mode=1777,size=1m,nosuid,nodev sandbox-temp {q(t)}" for t in temps]
+    lines, moves = ["set -e", "umask 022"], []
     owner = f",uid={uid},gid={SANDBOX_GID}" if uid is not None else ""
-    options = f"mode=0700,size={folder_mb}m,nr_inodes=4096,nosuid,nodev{owner}"
-    lines += [f"{mkdir} -p {q(workdir)}", f"{mount} -t tmpfs -o {options} sandbox-work {q(workdir)}"]
+    work_mount = f"{mount} -t tmpfs -o mode=0700,size={folder_mb}m,nr_inodes=4096,nosuid,nodev{owner} sandbox-work"
+    for i, (cover, mode) in enumerate(covers):
+        stage = os.path.join(root, f"c{i}")
+        name = "sandbox-temp" if mode == "1777" else "sandbox-hidden"
+        lines.append(f"{mount} -t tmpfs -o mode={mode},size=1m,nosuid,nodev {name} {q(stage)}")
+        for k in (k for k in keeps if _within(k, cover)):
+            inner = q(os.path.join(stage, os.path.relpath(k, cover)))
+            lines += [f"{mkdir} -p {inner}", f"{mount} --bind {q(k)} {inner}", f"{mount} -o remount,bind,ro,nosuid,nodev {inner}"]
+        if _within(workdir, cover):
+            inner = q(os.path.join(stage, os.path.relpath(workdir, cover)))
+            lines += [f"{mkdir} -p {inner}", f"{work_mount} {inner}"]
+        moves.insert(len(moves) if _within(root, cover) else 0, f"{mount} --move {q(stage)} {q(cover)}")
+    if not any(_within(workdir, cover) for cover, _ in covers):
+        lines += [f"{mkdir} -p {q(workdir)}", f"{work_mount} {q(workdir)}"]
+    lines += moves
     if not user_namespace:  # in a user namespace set-uid bits of unmapped owners are ignored anyway
-        lines.append(f"{mount} -o remount,bind,nosuid /")
+        lines.append(f"{mount} -o remount,bind,ro,nosuid /")  # any other writable folder of / too
     return "\n".join([*lines, _RUN])
 
 
 def prepare_folders(iso: Isolation, root: str, workdir: str) -> None:
     """Make the run's folders usable by the child: stage points for the mounts, or an owned folder."""
     if iso.mounts:
-        for i in range(len(_plan()[2])):
-            os.mkdir(os.path.join(root, f"s{i}"), 0o700)
+        for i in range(len(_plan()[0])):
+            os.mkdir(os.path.join(root, f"c{i}"), 0o700)
     if iso.uid is not None:
         os.chmod(root, 0o711)  # traversable, not listable: the child reaches only its own folder
         if not iso.mounts:
@@ -155,7 +206,7 @@ def command(iso: Isolation, cfg: dict, root: str, folder_mb: int) -> list[str]:
     python = [sys.executable, "-I", "-S", "-B", "-X", "utf8", "-c", _child_source(), "verl-sandbox", json.dumps(cfg)]
     if not iso.namespaces:
         return python
-    flags = ["--net", "--pid", "--fork", "--kill-child"]
+    flags = ["--net", "--pid", "--ipc", "--fork", "--kill-child"]
     if iso.user_namespace:
         flags.insert(0, "--map-root-user")
     if iso.mounts:

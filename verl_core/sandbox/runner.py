@@ -10,10 +10,17 @@ Layers, from the strongest (the kernel's) to the weakest (the interpreter's):
 
 - **namespaces** (``unshare``, when it works): a new network namespace (no interface but a down
   loopback: nothing can be reached), a pid namespace (when the sandbox ends, the kernel kills
-  every process left in it, even ones that left the process group) and, where mounts are
-  allowed, a mount namespace in which the working folder is a private, size-limited tmpfs, and
-  the user's home, the repository, the parent's working folder and the temp folders are hidden
-  behind empty tmpfs mounts (the interpreter's own folders are mounted back read-only).
+  every process left in it, even ones that left the process group), an IPC namespace (no
+  System V or POSIX IPC objects shared with the machine) and, where mounts are allowed, a mount
+  namespace in which the working folder is a private, size-limited tmpfs; the user's home, the
+  repository and the parent's working folder are hidden behind empty tmpfs mounts (root's, 0755), and
+  every writable shared place (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``, the temp
+  folder and any folder the sandbox uid may write to found at the top of each file system; see
+  :func:`verl_core.sandbox.plan.shared_writable_dirs`) behind a private, empty 1 MiB tmpfs; the
+  interpreter's own folders are mounted back read-only, also when they lie inside one of those,
+  and ``/`` is remounted read-only (not in a user namespace), so deeper writable folders of the
+  root file system are closed too. Another run's files in ``/tmp`` (an ``mlflow.db``) are out of
+  sight even for a program that gets past the audit hook.
 - **an unprivileged uid** (65534, no groups) when the parent runs as root: file permissions
   apply and ``RLIMIT_NPROC`` is enforced (the kernel does not enforce it for root). The limit
   counts every process of that uid, so concurrent sandboxes share it.
@@ -38,6 +45,11 @@ counts all the caller's processes); without ``unshare`` (or where namespaces are
 as in many containers) there is no network or pid isolation and nothing is hidden: the audit
 hook is then the only thing between the program and the network and the caller's files, and a
 program that defeats it can reach both; the rlimits, the timeout and the group kill still hold.
+Where namespaces work but mounts do not, nothing is hidden either (``/tmp``, ``/dev/shm``, the
+home): :meth:`Isolation.describe` says so in the logged line.
+
+The audit hook can be switched off only through the private ``_run(..., audit=False)``, which
+the tests use to run the hostile programs against the kernel layers alone.
 """
 
 from __future__ import annotations
@@ -262,7 +274,11 @@ def _collect(proc: subprocess.Popen, status_r: int, limits: SandboxLimits, start
 
 
 def _run(code: str, limits: SandboxLimits, stdin: str, iso: Isolation, audit: bool = True) -> SandboxResult:
-    """One sandboxed run under the given isolation (``audit=False`` only to test the other layers)."""
+    """One sandboxed run under the given isolation.
+
+    ``audit=False`` leaves the audit hook out (for tests only: tests/test_sandbox.py and
+    tests/test_sandbox_layers.py run every hostile program with it on and off, to show that the
+    kernel layers hold on their own); :func:`run_python` always installs it."""
     start = time.monotonic()
     root = tempfile.mkdtemp(prefix="verl-sandbox-")
     workdir = os.path.join(root, "work")

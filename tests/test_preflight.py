@@ -83,3 +83,8 @@ def test_real_gsm8k_with_its_columns_passes_the_checks(tmp_path, shared_data):
         ],
     )
     check_data(cfg)
+
+
+def test_a_missing_pairs_file_fails_before_sft_trains(tmp_path, capsys):
+    code, err, took = _run(tmp_path, capsys, "preference_data.path=/nonexistent/pairs.jsonl")
+    assert code == 1 and "preference_data.path: data path does not exist: /nonexistent/pairs.jsonl" in err, err

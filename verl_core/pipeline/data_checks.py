@@ -50,6 +50,8 @@ def data_needs(config: PipelineConfig) -> Iterator[DataNeed]:
     if stage_enabled(config, "sft") and given_record(config, "sft") is None and config.sft.data.path:
         yield DataNeed("sft.data", config.sft.data, (("prompt", "completion"), ("messages",)), "SFT rows")
     pd = config.preference_data
+    if pd.path and not Path(pd.path).expanduser().exists():
+        raise DataError(f"preference_data.path: data path does not exist: {pd.path}")
     if pd.path and Path(pd.path).expanduser().is_file():  # a folder is a preference-data stage's output
         pairs = (("prompt", "chosen", "rejected"), ("chosen", "rejected"), ("prompt", "completion", "label"))
         yield DataNeed("preference_data.path", DataSource(path=pd.path, columns=pd.columns), pairs, "preference rows")

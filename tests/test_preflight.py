@@ -88,3 +88,18 @@ def test_real_gsm8k_with_its_columns_passes_the_checks(tmp_path, shared_data):
 def test_a_missing_pairs_file_fails_before_sft_trains(tmp_path, capsys):
     code, err, took = _run(tmp_path, capsys, "preference_data.path=/nonexistent/pairs.jsonl")
     assert code == 1 and "preference_data.path: data path does not exist: /nonexistent/pairs.jsonl" in err, err
+
+
+def test_a_row_error_found_while_a_stage_trains_names_the_file_and_line_as_the_api_does(tmp_path):
+    from verl_core.data.errors import DataError
+    from verl_core.pipeline import run_stage
+    from verl_core.pipeline.config import load_pipeline_config
+    from verl_core.pipeline.registry import base_model_record
+
+    sft = _jsonl(tmp_path / "sft.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(20)])
+    with sft.open("a") as f:
+        f.write(json.dumps({"prompt": "2+2=", "completion": ""}) + "\n")  # present (preflight passes), but empty
+    cfg = load_pipeline_config(None, [f"workdir={tmp_path / 'w'}", f"sft.data.path={sft}", "sft.progress=false"])
+    with pytest.raises(DataError) as err:
+        run_stage(cfg, "sft", {"base": base_model_record(cfg)})
+    assert str(err.value) == f"{sft} row 20 (line 21): field 'completion' is empty"

@@ -147,25 +147,36 @@ def line_of_row(source: Any, row: int) -> int | None:
     return lines[row] if 0 <= row < len(lines) else None
 
 
+def naming_source(err: DataError, source: Any) -> DataError:
+    """``err`` about ``row i`` of rows loaded from ``source`` (a file), naming the file and the row's line."""
+    import re
+
+    if source is None or str(source) in str(err):
+        return err
+    match = re.match(r"row (\d+): ", str(err))
+    if match is None:
+        return DataError(f"{source}: {err}")
+    line = line_of_row(source, int(match.group(1)))
+    where = f"{source} row {match.group(1)}" + (f" (line {line})" if line else "")
+    return DataError(f"{where}: {str(err)[match.end() :]}")
+
+
 def names_source(fn):
     """Decorate a ``tokenize_*(source, ...)``: a :class:`DataError` about ``row i`` of a file source is
     re-raised naming the file and the row's line (the row checks run after loading, on plain rows)."""
     import functools
     import os
-    import re
 
     @functools.wraps(fn)
     def wrapper(source, *args, **kwargs):
         try:
             return fn(source, *args, **kwargs)
         except DataError as err:
-            if not isinstance(source, (str, os.PathLike)) or str(source) in str(err):
+            if not isinstance(source, (str, os.PathLike)):
                 raise
-            match = re.match(r"row (\d+): ", str(err))
-            if match is None:
-                raise DataError(f"{source}: {err}") from None
-            line = line_of_row(source, int(match.group(1)))
-            where = f"{source} row {match.group(1)}" + (f" (line {line})" if line else "")
-            raise DataError(f"{where}: {str(err)[match.end() :]}") from None
+            named = naming_source(err, source)
+            if named is err:
+                raise
+            raise named from None
 
     return wrapper

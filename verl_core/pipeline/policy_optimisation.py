@@ -63,6 +63,7 @@ def _offline(ctx: StageContext, algorithm: Algorithm) -> StageOutput:
         rows,
         datasets=[DatasetUse(f"{algorithm.name}-train", rows, "training", source)],
         source=f"policy_optimisation.{algorithm.name}",
+        rows_from=ctx.config.preference_data.path if ctx.inputs["preference_data"].given else None,
     )
 
 
@@ -78,6 +79,7 @@ def _online(ctx: StageContext, algorithm: Algorithm) -> StageOutput:
             ctx.input_path("sft"), reward_model=reward_model, prompts=prompts, callbacks=ctx.callbacks, config=config
         ),
         datasets=[DatasetUse(f"{algorithm.name}-prompts", prompts, "training", data_label(ctx.section.prompts, "prompts"))],
+        rows_from=ctx.section.prompts.path,
     )
 
 

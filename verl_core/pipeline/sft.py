@@ -26,6 +26,7 @@ def sft_stage(ctx: StageContext) -> StageOutput:
         ctx.input_path("base"),
         rows,
         datasets=[DatasetUse("sft-train", rows, "training", data_label(c.data, "sft"))],
+        rows_from=c.data.path,
     )
 
 

@@ -72,13 +72,13 @@ def ui_locations(config: PipelineConfig) -> list[str]:
     )
     uri, ui = tracking.tracking_uri(config), tracking.ui_url(config)
     if uri.startswith("http") or _answers(f"{ui}/health"):
-        mlflow = f"MLflow UI:   {ui}"
+        mlflow = f"MLflow UI:   {tracking.experiment_url(config)}"
     else:  # the same store and artifact folder `verl-core servers` serves, on the port the published links use
         port = urllib.parse.urlparse(ui).port or 5000
         artifacts = tracking.artifact_location(config) or ""
         mlflow = (
             f"MLflow UI:   mlflow server --backend-store-uri {uri} --artifacts-destination {artifacts.removeprefix('file://')}"
-            f" --host 127.0.0.1 --port {port}  (or `verl-core servers`; then {ui})"
+            f" --host 127.0.0.1 --port {port}  (or `verl-core servers`; then {tracking.experiment_url(config)})"
         )
     return [prefect, mlflow, f"MLflow store: {uri}  experiment: {config.tracking.experiment}"]
 

@@ -50,6 +50,8 @@ def configure(config: PipelineConfig) -> str:
     if uri.startswith("sqlite:///"):
         Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
+    # MLflow's own "View run ... at" lines, twice per stage, link its GenAI view; the project prints classic-view links
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     return uri
 
 
@@ -97,9 +99,21 @@ def ui_url(config: PipelineConfig) -> str:
     return (config.tracking.ui_url or (uri if uri.startswith("http") else "http://127.0.0.1:5000")).rstrip("/")
 
 
+# MLflow 3 opens an experiment in its GenAI view (traces, evaluations) unless the link asks for the classic
+# one, where runs, metrics, models and the registry are; the experiment's kind tag alone does not decide it.
+CLASSIC_VIEW = "workflowType=machine_learning"
+
+
 def run_url(config: PipelineConfig, run_id: str) -> str:
     run = client(config).get_run(run_id)
-    return f"{ui_url(config)}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+    return f"{ui_url(config)}/#/experiments/{run.info.experiment_id}/runs/{run_id}?{CLASSIC_VIEW}"
+
+
+def experiment_url(config: PipelineConfig) -> str:
+    """The experiment's runs table in the classic view."""
+    exp = client(config).get_experiment_by_name(config.tracking.experiment)
+    where = f"/#/experiments/{exp.experiment_id}" if exp is not None else "/#/experiments"
+    return f"{ui_url(config)}{where}?{CLASSIC_VIEW}"
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:

@@ -103,3 +103,56 @@ def test_a_row_error_found_while_a_stage_trains_names_the_file_and_line_as_the_a
     with pytest.raises(DataError) as err:
         run_stage(cfg, "sft", {"base": base_model_record(cfg)})
     assert str(err.value) == f"{sft} row 20 (line 21): field 'completion' is empty"
+
+
+def _half_created_store(db) -> None:
+    """The store a run killed inside MLflow's schema migrations leaves: the tables of migration
+    27a6a02d2cf1 created, its version stamp not yet written (seen in a kill -9 trial)."""
+    import sqlalchemy
+    from alembic import command
+    from mlflow.store.db.utils import _get_alembic_config
+    from mlflow.store.tracking.dbmodels.initial_models import Base
+
+    engine = sqlalchemy.create_engine(f"sqlite:///{db}")
+    Base.metadata.create_all(engine)
+    config = _get_alembic_config(f"sqlite:///{db}")
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "728d730b5ebd")
+    with engine.begin() as connection:
+        connection.execute(sqlalchemy.text("CREATE TABLE model_version_tags (key VARCHAR(250), name VARCHAR(256))"))
+    engine.dispose()
+
+
+def test_a_store_left_half_created_by_a_killed_run_is_moved_aside_and_created_again(tmp_path):
+    from mlflow import MlflowClient
+
+    from verl_core.pipeline.config import load_pipeline_config
+    from verl_core.pipeline.preflight import check_tracking
+
+    db = tmp_path / "mlflow.db"
+    _half_created_store(db)
+    import subprocess
+    import sys
+
+    opened = subprocess.run(  # what every later run hit (in its own process: MLflow keeps a failed store's engine)
+        [sys.executable, "-c", f"from mlflow import MlflowClient; MlflowClient('sqlite:///{db}').search_experiments()"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert opened.returncode != 0 and "model_version_tags already exists" in opened.stderr
+    cfg = load_pipeline_config(None, [f"workdir={tmp_path}", f"tracking.uri=sqlite:///{db}"])
+    check_tracking(cfg)
+    assert [e.name for e in MlflowClient(f"sqlite:///{db}").search_experiments()].count(cfg.tracking.experiment) == 1
+    assert len(list(tmp_path.glob("mlflow.db.half-created-*"))) == 1 and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_a_new_store_appears_complete_or_not_at_all(tmp_path):
+    from verl_core.pipeline.config import load_pipeline_config
+    from verl_core.pipeline.preflight import _half_created, check_tracking
+
+    db = tmp_path / "mlflow.db"
+    cfg = load_pipeline_config(None, [f"workdir={tmp_path}", f"tracking.uri=sqlite:///{db}"])
+    check_tracking(cfg)
+    assert db.is_file() and not _half_created(db) and not list(tmp_path.glob(".tmp-*"))

@@ -10,7 +10,10 @@ two processes creating its schema at once crash inside MLflow.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -22,6 +25,7 @@ from verl_core.pipeline.data_checks import check_data
 from verl_core.pipeline.workdir_lock import exclusive
 
 TRACKING_TIMEOUT_S = 5.0
+log = logging.getLogger("verl_core")
 
 
 def writable_folder(path: Path, what: str) -> None:
@@ -62,10 +66,53 @@ def check_tracking(config: PipelineConfig) -> None:
         db = Path(uri.removeprefix("sqlite:///"))
         writable_folder(db.parent, "MLflow store folder")
         with exclusive(db.with_name(db.name + ".lock"), f"MLflow store {db}"):
+            if db.exists() and _half_created(db):
+                aside = db.with_name(f"{db.name}.half-created-{int(time.time())}")
+                db.replace(aside)
+                log.warning("MLflow store %s was left half-created by a killed run (no runs in it); moved to %s", db, aside)
+            if not db.exists():
+                _create_store(config, db)
             try:
-                tracking.experiment_id(config)  # creates the schema and the experiment, one process at a time
+                tracking.experiment_id(config)
             except Exception as err:
                 raise TrackingError(f"MLflow store {uri} cannot be opened: {type(err).__name__}: {err}") from None
+
+
+def _create_store(config: PipelineConfig, db: Path) -> None:
+    """A new SQLite store, its schema and the experiment created under a temporary name, then renamed: MLflow
+    creates the schema in ~40 migrations, and a run killed among them left a store no later run could open."""
+    tmp = db.with_name(f".tmp-{os.getpid()}-{db.name}")
+    tmp.unlink(missing_ok=True)
+    try:
+        tracking.experiment_id(config.updated(tracking={**config.tracking.model_dump(), "uri": f"sqlite:///{tmp}"}))
+        tmp.replace(db)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _half_created(db: Path) -> bool:
+    """A store whose schema a killed run left unfinished: MLflow's migrations did not reach the end, and it
+    holds no run (so moving it aside loses nothing)."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as con:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if "runs" in tables and con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] > 0:
+                return False
+            return not _migrations_complete(con, tables)
+    except sqlite3.DatabaseError:
+        return db.stat().st_size == 0
+
+
+def _migrations_complete(con, tables: set[str]) -> bool:
+    from alembic.script import ScriptDirectory
+    from mlflow.store.db.utils import _get_alembic_config  # the migrations of the MLflow that writes the store
+
+    if "alembic_version" not in tables:
+        return False
+    heads = set(ScriptDirectory.from_config(_get_alembic_config("sqlite://")).get_heads())
+    return {r[0] for r in con.execute("SELECT version_num FROM alembic_version")} == heads
 
 
 def model_paths(config: PipelineConfig) -> dict[str, str]:

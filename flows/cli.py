@@ -65,11 +65,13 @@ def ui_locations(config: PipelineConfig) -> list[str]:
     from verl_core.pipeline import tracking
 
     api = os.environ.get("PREFECT_API_URL")
-    prefect = (
-        f"Prefect UI:  {api.rstrip('/').removesuffix('/api')}"
-        if api
-        else "Prefect UI:  (this run used a temporary local API) start persistent UIs with `verl-core servers`"
-    )
+    if api:
+        prefect = f"Prefect UI:  {api.rstrip('/').removesuffix('/api')}"
+    else:  # the temporary local API kept the run in Prefect's home database, which a started server shows
+        from prefect.settings import get_current_settings
+
+        home = get_current_settings().home
+        prefect = f"Prefect UI:  `prefect server start` (or `verl-core servers`) shows this run, kept in {home}"
     uri, ui = tracking.tracking_uri(config), tracking.ui_url(config)
     if uri.startswith("http") or _answers(f"{ui}/health"):
         mlflow = f"MLflow UI:   {tracking.experiment_url(config)}"
@@ -256,6 +258,9 @@ def cmd_servers(args) -> int:
         print(f"MLflow UI:   http://127.0.0.1:{args.mlflow_port}")
         print("In another shell:")
         print(f"  export PREFECT_API_URL=http://127.0.0.1:{args.prefect_port}/api")
+        print(
+            f"  export PREFECT_UI_API_URL=http://127.0.0.1:{args.prefect_port}/api   # for `prefect worker` and the UI off port 4200"
+        )
         print(f"  export MLFLOW_TRACKING_URI=http://127.0.0.1:{args.mlflow_port}")
         print("  verl-core run")
         print(f"MLflow store: sqlite:///{workdir / 'mlflow.db'} (what `verl-core run` writes without a server)")

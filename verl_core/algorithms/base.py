@@ -194,6 +194,7 @@ class OfflineTrainer:
             self.loss,
             eval_fn=self.evaluate if self.eval_examples else None,
             params={"algorithm": type(self).__name__, **speed},
+            desc=type(self).__name__,
         )
         if self.config.output_dir and self.engine.is_main:
             final = save_pretrained_atomic(self.engine.unwrapped, self.tokenizer, Path(self.config.output_dir) / FINAL_MODEL_DIR)

@@ -306,8 +306,10 @@ class Engine:
         loss_fn: LossFn,
         eval_fn: Callable[[torch.nn.Module], dict[str, float]] | None = None,
         params: dict[str, Any] | None = None,
+        desc: str = "train",
     ) -> TrainResult:
-        """Offline training: each loop step is one optimizer step on the step's global batch of ``examples``."""
+        """Offline training: each loop step is one optimizer step on the step's global batch of ``examples``;
+        ``desc`` names the run in its progress lines (the trainer, so that SFT and the reward model read apart)."""
         cfg, acc = self.config, self.accelerator
         if len(examples) < cfg.batch_size:
             raise TrainingError(f"dataset has {len(examples)} rows, fewer than batch_size {cfg.batch_size}")
@@ -324,7 +326,8 @@ class Engine:
             )
             return self.optimizer_step([collate([examples[i] for i in mb]) for mb in idx], loss_fn)
 
-        return self.run(step_fn, eval_fn=(lambda: eval_fn(self.unwrapped)) if eval_fn is not None else None, params=params)
+        evaluate = (lambda: eval_fn(self.unwrapped)) if eval_fn is not None else None
+        return self.run(step_fn, eval_fn=evaluate, params=params, desc=desc)
 
     def _log(self, callbacks: Sequence[Callback], metrics: dict[str, float]) -> None:
         if self.is_main:

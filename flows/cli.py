@@ -258,9 +258,7 @@ def cmd_servers(args) -> int:
         print(f"MLflow UI:   http://127.0.0.1:{args.mlflow_port}")
         print("In another shell:")
         print(f"  export PREFECT_API_URL=http://127.0.0.1:{args.prefect_port}/api")
-        print(
-            f"  export PREFECT_UI_API_URL=http://127.0.0.1:{args.prefect_port}/api   # for `prefect worker` and the UI off port 4200"
-        )
+        print(f"  export PREFECT_UI_API_URL=http://127.0.0.1:{args.prefect_port}/api  # the UI off port 4200")
         print(f"  export MLFLOW_TRACKING_URI=http://127.0.0.1:{args.mlflow_port}")
         print("  verl-core run")
         print(f"MLflow store: sqlite:///{workdir / 'mlflow.db'} (what `verl-core run` writes without a server)")

@@ -17,6 +17,7 @@ from prefect import Task, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import CacheKeyFnPolicy
 
+from tasks.prefect_settings import project_logging
 from tasks.result_guard import refuse_foreign_result
 from verl_core.errors import UserError
 from verl_core.pipeline import model_registry, tracking
@@ -99,6 +100,7 @@ def execute(
     from prefect.runtime import flow_run, task_run
 
     tracking.configure(config)
+    project_logging()
     plan = plan_stage(config, stage, inputs, round)  # resolved once; everything below takes the plan
     run_id = tracking.start_stage_run(
         config,

@@ -16,6 +16,10 @@ os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect")  # before any prefect
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_TMP / 'mlflow.db'}"
 
+from tasks.prefect_settings import apply_defaults  # noqa: E402
+
+apply_defaults()  # the project's Prefect settings, as the CLI has them, before any test imports Prefect
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

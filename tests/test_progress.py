@@ -49,5 +49,41 @@ def test_a_terminal_gets_a_tqdm_bar(monkeypatch):
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     bar = progress_bar(10, desc="x", disable=True)
-    assert type(bar).__module__.startswith("tqdm")
+    assert type(bar.bar).__module__.startswith("tqdm")  # beside it, the lines a listening log gets (none here)
     bar.close()
+
+
+def test_a_long_run_logs_a_bounded_number_of_lines(monkeypatch):
+    """The interval doubles every LINES_PER_DOUBLING lines: a 10-hour run at 30 s gives ~250 lines, not 1,200."""
+    from verl_core.train import progress
+
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    out = io.StringIO()
+    bar = LineProgress(total=36_000, desc="train", interval=30.0, file=out)
+    for _ in range(36_000):  # a step a second for ten hours
+        clock[0] += 1.0
+        bar.update(1)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert 150 < len(lines) < 300 and lines[-1].startswith("train: 36000/36000 steps (100%)")
+
+
+def test_progress_lines_are_logged_not_printed_when_the_project_logger_has_a_handler(monkeypatch):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    project = logging.getLogger("verl_core")
+    monkeypatch.setattr(project, "handlers", [handler])
+    level = project.level
+    project.setLevel(logging.INFO)
+    try:
+        out = io.StringIO()
+        bar = LineProgress(total=3, desc="SFTTrainer", interval=0.0, file=out)
+        bar.update(3)
+        bar.close()
+    finally:
+        project.setLevel(level)
+    assert out.getvalue() == "" and records[-1].getMessage().startswith("SFTTrainer: 3/3 steps (100%)")

@@ -1,0 +1,41 @@
+"""While a stage trains, its progress and metric lines reach the Prefect run's log (what the UI shows),
+named after the trainer, at a bounded rate; they are logged, not printed twice."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+
+@pytest.mark.slow
+def test_training_progress_lines_reach_the_flow_runs_log(prefect_harness, tmp_path, monkeypatch):
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    from flows import stage_flow
+    from verl_core.pipeline.config import load_pipeline_config
+    from verl_core.train import progress
+
+    monkeypatch.setattr(progress, "LINE_INTERVAL_S", 0.0)  # a line per step: the test's run takes seconds
+    cfg = load_pipeline_config(
+        None,
+        [
+            f"workdir={tmp_path}",
+            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            "sft.max_steps=40",
+            "sft.batch_size=8",
+            "sft.mixed_precision=no",
+            "sft.data.limit=64",
+        ],
+    )
+    result = stage_flow("sft", cfg)
+    for handler in logging.getLogger("verl_core").handlers:  # Prefect's, attached to the project's logger
+        if isinstance(handler, APILogHandler):
+            handler.flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[result.flow_run_id])))
+    lines = [log.message for log in logs if log.message.startswith("SFTTrainer: ")]
+    assert lines and lines[-1].startswith("SFTTrainer: 40/40 steps (100%)") and "loss=" in lines[-1], [m.message for m in logs]
+    assert len(lines) <= 41  # one a step at most here; the interval's doubling bounds a long run (test_progress)

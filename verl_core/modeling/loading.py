@@ -33,11 +33,29 @@ class LoraSettings(StrictConfig):
 
 
 def check_model_source(path: str | os.PathLike) -> str:
+    """What ``from_pretrained`` is given for a model path: a folder, or a hub id when allowed.
+
+    Every model path (base, SFT/RM/policy, reference, reward model, the trainers, tokenizers) resolves here,
+    so the other sources are handled once: ``bundled:<name>`` (:mod:`verl_core.bundled.real_model`) and a
+    ``.gguf`` file, each turned into a cached Hugging Face folder (:mod:`verl_core.modeling.gguf`).
+    Anything that cannot be loaded raises :class:`ModelLoadError` naming the path.
+    """
     text = str(path)
-    if Path(text).expanduser().is_dir():
-        if not (Path(text).expanduser() / "config.json").is_file():
+    if text.startswith("bundled:"):
+        from verl_core.bundled.real_model import bundled_model_path
+
+        return str(bundled_model_path(text.removeprefix("bundled:")))
+    local = Path(text).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
             raise ModelLoadError(f"model folder {text} has no config.json; is it a save_pretrained folder?")
-        return str(Path(text).expanduser())
+        return str(local)
+    if local.is_file():
+        from verl_core.modeling.gguf import converted_folder, looks_like_gguf
+
+        if looks_like_gguf(local):
+            return str(converted_folder(local))
+        raise ModelLoadError(f"model path {text} is a file; give a save_pretrained folder or a .gguf file")
     repo = hub_id(text)
     if repo is None or Path(text).exists():
         raise ModelLoadError(f"model path does not exist: {text}{not_found_hint(text)}")

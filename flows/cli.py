@@ -29,10 +29,11 @@ from tasks.prefect_settings import STARTUP_TIMEOUT_SETTING, startup_timeout
 from verl_core.algorithms.registry import ALGORITHMS
 from verl_core.errors import UserError
 from verl_core.pipeline.config import PipelineConfig, load_pipeline_config
+from verl_core.pipeline.form import DEFAULT_CONFIG_FILE
 from verl_core.pipeline.preflight import preflight
 from verl_core.pipeline.registry import STAGE_ORDER
 
-DEFAULT_CONFIG = Path("configs/default.yaml")
+DEFAULT_CONFIG = Path(DEFAULT_CONFIG_FILE)
 
 
 def _config(args) -> PipelineConfig:

@@ -17,7 +17,8 @@ from flows.reconcile import crash_runs_of_dead_processes, tag_this_flow_run
 from tasks import task_for
 from tasks.stage_task import markdown_table, mlflow_link, publish_cached
 from verl_core.pipeline import tracking
-from verl_core.pipeline.config import PipelineConfig
+from verl_core.pipeline.config import PipelineConfig, PolicyAlgorithm
+from verl_core.pipeline.form import FORM_KEYS, form_config
 from verl_core.pipeline.preflight import preflight
 from verl_core.pipeline.reconcile import end_runs_of_dead_processes
 from verl_core.pipeline.records import PREVIOUS_ROUND, StageRecord
@@ -165,3 +166,43 @@ def rlhf_pipeline(config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
 def stage_flow(stage: StageName, config: PipelineConfig = DEFAULT_CONFIG) -> PipelineResult:
     """One step and whatever it needs that is neither given nor cached."""
     return run_pipeline(config, f"stage-{stage.replace('_', '-')}", until=stage)
+
+
+Launcher = Literal["local", "torchrun", "ray"]
+
+
+@flow(name="rlhf-pipeline")
+def rlhf_pipeline_form(
+    algorithm: PolicyAlgorithm | None = None,
+    base_model: str | None = None,
+    sft_data: str | None = None,
+    preference_pairs: str | None = None,
+    prompts: str | None = None,
+    evaluation_data: str | None = None,
+    sft_max_steps: int | None = None,
+    policy_max_steps: int | None = None,
+    launcher: Launcher | None = None,
+    num_processes: int | None = None,
+    workdir: str | None = None,
+    overrides: list[str] | None = None,
+    config_file: str | None = None,
+) -> PipelineResult:
+    """The pipeline from a deployment's form: the usual choices; anything else as `key=value` overrides.
+
+    Args:
+        algorithm: policy optimisation algorithm (empty: the config file's)
+        base_model: model folder, .gguf file, bundled:smollm2, or hf://org/name (empty: the embedded tiny model)
+        sft_data: SFT rows file (prompt/completion); empty: the bundled task
+        preference_pairs: preference pairs file (prompt/chosen/rejected) instead of generating them
+        prompts: prompts file (prompt/ground_truth) for online algorithms; empty: the bundled task
+        evaluation_data: held-out rows file; empty: the bundled task
+        sft_max_steps: SFT optimizer steps
+        policy_max_steps: the algorithm's steps (optimizer steps offline, rollout steps online)
+        launcher: where training stages run: in the worker's process, torchrun, or Ray
+        num_processes: training processes per stage (torchrun / Ray)
+        workdir: folder for stage outputs, caches and the MLflow store (empty: the config file's)
+        overrides: more settings, one `key=value` per line, as `verl-core run --set` takes them
+        config_file: a YAML config the choices and overrides apply to (empty: configs/default.yaml)
+    """
+    choices = {k: v for k, v in locals().items() if k in FORM_KEYS}
+    return run_pipeline(form_config(choices, overrides, config_file), "rlhf-pipeline")

@@ -66,7 +66,9 @@ def test_the_launcher_is_not_part_of_the_cache_key():
 
 def test_torchrun_commands_single_and_multi_machine(tmp_path):
     one = torchrun_command(LauncherConfig(kind="torchrun", num_processes=2), tmp_path / "r.json")
-    assert one[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--standalone" in one
+    # one machine: the rendezvous store on loopback (torch's --standalone binds every interface)
+    assert one[:4] == [sys.executable, "-m", "verl_core.pipeline.launch", "torch.distributed.run"]
+    assert "--rdzv_endpoint=127.0.0.1:0" in one and "--standalone" not in one
     assert one[-3:] == ["-m", "verl_core.pipeline.worker", str(tmp_path / "r.json")]
     many = LauncherConfig(kind="torchrun", num_processes=8, num_machines=2, machine_rank=1, rdzv_endpoint="node0:29400")
     cmd = torchrun_command(many, tmp_path / "r.json")

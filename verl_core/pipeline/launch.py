@@ -12,10 +12,12 @@ checkpoints stay, so the next attempt resumes from the last one).
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from verl_core.algorithms.base import FINAL_MODEL_DIR
 from verl_core.config import ConfigError
-from verl_core.pipeline.launcher_config import TRAINING_STEPS, LauncherConfig, launcher_for
+from verl_core.pipeline.launcher_config import LOOPBACK, TRAINING_STEPS, LauncherConfig, launcher_for
 from verl_core.pipeline.plan import StagePlan
 from verl_core.pipeline.records import HISTORY_FILE, RECORD_FILE, StageOutput, StageRecord, StageResult
 from verl_core.pipeline.runner import run_planned
@@ -95,11 +97,22 @@ def remove_partial_output(out_dir: Path) -> None:
 
 
 def torchrun_command(launcher: LauncherConfig, request: Path) -> list[str]:
-    """``python -m torch.distributed.run ... -m verl_core.pipeline.worker REQUEST``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(launcher.num_processes)]
-    if launcher.num_machines == 1 and launcher.rdzv_endpoint is None:
-        cmd += ["--standalone"]  # a free local port, no rendezvous server to set up
+    """``python -m torch.distributed.run ... -m verl_core.pipeline.worker REQUEST``.
+
+    On loopback (``launcher.on_loopback``) the agent is ``python -m verl_core.pipeline.launch
+    torch.distributed.run ...`` (:func:`torchrun_on_loopback`): torchrun with the same arguments whose
+    c10d stores listen on 127.0.0.1, with its rendezvous on 127.0.0.1 (a free port) and the ranks'
+    ``MASTER_ADDR`` 127.0.0.1. Plain torchrun binds its stores on every interface whatever the endpoint
+    (``--standalone`` too)."""
+    nproc = ["--nproc_per_node", str(launcher.num_processes)]
+    if launcher.on_loopback:
+        port = launcher.rdzv_endpoint.rsplit(":", 1)[1] if launcher.rdzv_endpoint else "0"  # 0: a free port
+        cmd = [sys.executable, "-m", "verl_core.pipeline.launch", "torch.distributed.run", *nproc, "--nnodes=1"]
+        cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={LOOPBACK}:{port}", f"--local_addr={LOOPBACK}"]
+    elif launcher.num_machines == 1 and launcher.rdzv_endpoint is None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", *nproc, "--standalone"]  # a free port, on every interface
     else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", *nproc]
         cmd += [
             f"--nnodes={launcher.num_machines}",
             f"--node_rank={launcher.machine_rank}",
@@ -126,6 +139,7 @@ def rank_environment(launcher: LauncherConfig) -> dict[str, str]:
     env["TQDM_DISABLE"] = "1"  # progress bars redraw with \r: noise in a task log
     env["PYTHONUNBUFFERED"] = "1"
     env["RAY_COLOR_PREFIX"] = "0"  # plain "(RayTrainWorker pid=...)" prefixes, no colour codes
+    env.update(loopback_environment(launcher, env))
     if launcher.accelerate_config is not None:
         from verl_core.pipeline.accelerate_env import accelerate_environment, sharding_unavailable_reason
 
@@ -136,6 +150,80 @@ def rank_environment(launcher: LauncherConfig) -> dict[str, str]:
         env.update(derived)
     env.update(launcher.env)
     return env
+
+
+def loopback_environment(launcher: LauncherConfig, env: dict[str, str]) -> dict[str, str]:
+    """What keeps a job on 127.0.0.1 (nothing when ``launcher.on_loopback`` is false): gloo and NCCL
+    sockets on the loopback interface; for a local Ray cluster, its node IP 127.0.0.1 and Ray's token
+    authentication with a fresh token (unless ``env`` already sets ``RAY_AUTH_MODE``). Measured with Ray
+    2.60: the GCS, raylet, object manager and workers listen on 127.0.0.1 when the node IP is loopback
+    and on every interface otherwise, and on Linux ``ray.init(_node_ip_address="127.0.0.1")`` is turned
+    into the machine's address unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read when ray is imported)."""
+    if not launcher.on_loopback:
+        return {}
+    lo = loopback_interface()
+    out = {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
+    if launcher.kind == "ray":
+        out["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        if "RAY_AUTH_MODE" not in env:
+            out["RAY_AUTH_MODE"] = "token"
+            out["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # the job's processes inherit it; nothing on disk
+    return out
+
+
+def loopback_interface() -> str:
+    """The name of the interface that holds 127.0.0.1 (``lo`` on Linux)."""
+    import socket
+
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n in ("lo", "lo0")), next((n for n in names if n.startswith("lo")), "lo"))
+
+
+def loopback_tcp_store(port: int = 0, **kwargs):
+    """A ``torch.distributed.TCPStore`` server on 127.0.0.1:``port`` only (0: a free port; ``.port`` says which)."""
+    return loopback_store_class()(LOOPBACK, port, is_master=True, **kwargs)
+
+
+@functools.cache
+def loopback_store_class():
+    """``torch.distributed.TCPStore`` whose server listens on 127.0.0.1 only. TCPStore binds its
+    server on every interface and takes no bind address, but it accepts a listening socket
+    (``master_listen_fd``): this subclass binds one on 127.0.0.1. A taken port raises ``RuntimeError``,
+    as TCPStore does (torchrun's rendezvous then joins the store as a client)."""
+    import socket
+
+    from torch.distributed import TCPStore
+
+    class LoopbackTCPStore(TCPStore):
+        def __init__(self, host_name, port, world_size=None, is_master=False, *args, **kwargs):
+            if is_master and len(args) < 4 and kwargs.get("master_listen_fd") is None:  # args[3]: master_listen_fd
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind((LOOPBACK, port))
+                    sock.listen(socket.SOMAXCONN)
+                except OSError as err:
+                    sock.close()
+                    raise RuntimeError(f"cannot listen on {LOOPBACK}:{port}: {err}") from err
+                port, kwargs["master_listen_fd"] = sock.getsockname()[1], sock.detach()
+            super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
+
+    return LoopbackTCPStore
+
+
+def torchrun_on_loopback(argv: list[str]) -> None:
+    """torchrun (``torch.distributed.run.main(argv)``) whose TCPStore servers listen on 127.0.0.1:
+    the c10d rendezvous store and the store the agent shares with the ranks. torch offers no bind
+    address for either, so ``torch.distributed.TCPStore`` is replaced in this agent process (not in
+    the ranks) by a subclass that hands TCPStore a socket bound to 127.0.0.1."""
+    import torch.distributed as dist
+    from torch.distributed import run
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
+
+    loopback = loopback_store_class()
+    for module in (dist, c10d_rendezvous_backend, static_tcp_rendezvous):
+        module.TCPStore = loopback
+    run.main(argv)
 
 
 def stream(command: list[str], env: dict[str, str], log_line: LogLine, timeout: float | None) -> tuple[int, list[str]]:
@@ -228,3 +316,10 @@ def check_launchable(launcher: LauncherConfig) -> None:
             import ray  # noqa: F401
         except ImportError:
             raise ConfigError("launcher.kind 'ray' needs Ray: pip install 'verl_core[ray]'") from None
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["torch.distributed.run"]:
+        print("usage: python -m verl_core.pipeline.launch torch.distributed.run TORCHRUN_ARGS...", file=sys.stderr)
+        sys.exit(2)
+    torchrun_on_loopback(sys.argv[2:])

@@ -15,6 +15,8 @@ from pydantic import Field, model_validator
 from verl_core.config import StrictConfig
 
 LauncherKind = Literal["local", "torchrun", "ray"]
+Bind = Literal["loopback", "network"]
+LOOPBACK = "127.0.0.1"
 # The steps a launcher applies to: the ones that train. Sampling preference data and the
 # evaluation run in the flow-run process.
 TRAINING_STEPS = ("sft", "reward_model", "policy_optimisation")
@@ -31,6 +33,19 @@ class LauncherConfig(StrictConfig):
     - ``ray``: ``num_processes`` Ray Train workers (``TorchTrainer``) on the cluster at
       ``ray_address`` (none: a local cluster started for the stage), each with
       ``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs.
+
+    ``bind`` says where the processes the launcher starts listen. ``loopback`` (the default of a
+    one-machine job): on 127.0.0.1 only, reachable from this machine alone. torchrun: its agent's
+    rendezvous and worker stores and the ranks' gloo / NCCL sockets. Ray: the local cluster's GCS,
+    raylet, object manager, every worker, the agents and the Ray Train process-group store (no
+    dashboard); the cluster also requires a token (``RAY_AUTH_MODE=token``, a fresh
+    ``RAY_AUTH_TOKEN`` per job unless the environment sets ``RAY_AUTH_MODE``). ``network`` (implied by
+    ``num_machines`` > 1 and by ``ray_address``): a multi-machine job. torchrun's c10d stores then
+    listen on every interface and have no authentication (torch offers none): use it on a trusted
+    network only. The cluster at ``ray_address`` listens and authenticates as it was started (start it
+    with ``RAY_AUTH_MODE=token``; this process needs the token: ``RAY_AUTH_TOKEN``,
+    ``RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``); a local Ray cluster with ``network`` listens on
+    every interface (measured, Ray 2.60), with a token.
     """
 
     kind: LauncherKind = "local"
@@ -45,6 +60,12 @@ class LauncherConfig(StrictConfig):
     threads_per_process: int = Field(1, ge=1, description="OMP_NUM_THREADS and torch threads of each rank")
     timeout_seconds: float | None = Field(None, gt=0, description="kill the job after this long (none = no limit)")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables of every rank")
+    bind: Bind | None = Field(
+        None,
+        description="where the launched processes listen: loopback (127.0.0.1 only) or network (a multi-machine job; "
+        "torch's rendezvous store has no authentication, Ray's cluster uses its token); default loopback, "
+        "network when num_machines > 1 or ray_address is set",
+    )
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -65,11 +86,39 @@ class LauncherConfig(StrictConfig):
             raise ValueError(f"machine_rank {self.machine_rank} must be below num_machines {self.num_machines}")
         if self.num_machines > 1 and self.rdzv_endpoint is None:
             raise ValueError("num_machines > 1 needs rdzv_endpoint (host:port of machine 0, reachable from every machine)")
+        if self.bind == "loopback" and (self.num_machines > 1 or self.ray_address is not None):
+            what = "num_machines > 1" if self.num_machines > 1 else "ray_address (a cluster started elsewhere)"
+            raise ValueError(f"bind 'loopback' cannot serve {what}: other machines cannot reach 127.0.0.1; use bind 'network'")
+        if self.on_loopback and self.rdzv_endpoint is not None and not is_loopback(self.rdzv_endpoint.rsplit(":", 1)[0]):
+            raise ValueError(
+                f"rdzv_endpoint {self.rdzv_endpoint!r} is not a loopback address, and a one-machine job listens on "
+                "127.0.0.1 (bind 'loopback'); give 127.0.0.1:PORT, leave it unset, or set bind 'network'"
+            )
         return self
+
+    @property
+    def on_loopback(self) -> bool:
+        """Whether every process the launcher starts listens on 127.0.0.1 only (see ``bind``)."""
+        if self.bind is not None:
+            return self.bind == "loopback"
+        return self.num_machines == 1 and self.ray_address is None
 
     @property
     def world_size(self) -> int:
         return self.num_processes * self.num_machines
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, 127.0.0.0/8 or ::1 (brackets allowed)."""
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def launcher_for(config, step: str) -> LauncherConfig:

@@ -13,7 +13,6 @@ Prefect is imported by the commands that run flows and by the `flows` package it
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import subprocess
@@ -25,7 +24,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from tasks.prefect_settings import STARTUP_TIMEOUT_SETTING, startup_timeout
+from tasks.prefect_settings import STARTUP_TIMEOUT_SETTING, quiet_user_error_tracebacks, startup_timeout
 from verl_core.algorithms.registry import ALGORITHMS
 from verl_core.errors import UserError
 from verl_core.pipeline.config import PipelineConfig, load_pipeline_config
@@ -118,8 +117,9 @@ def _run_flow(args, flow_call) -> int:
     _quiet_defaults()
     config = _config(args)
     preflight(config)
-    if not args.debug:
-        _quiet_user_error_tracebacks()
+    if args.debug:
+        os.environ["VERL_CORE_DEBUG"] = "1"  # Prefect's handlers keep every traceback
+    quiet_user_error_tracebacks()
     try:
         result = flow_call(config)
     except RuntimeError as err:
@@ -303,22 +303,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default="runs", help="the pipeline's workdir, whose MLflow store the server serves")
     p.set_defaults(fn=cmd_servers)
     return parser
-
-
-class _NoUserErrorTracebacks(logging.Filter):
-    """Drop the traceback Prefect logs with a failed task or flow when the error is the user's:
-    the CLI prints its message once (``--debug`` keeps every traceback)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], UserError):
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
-def _quiet_user_error_tracebacks() -> None:
-    for name in ("prefect", ""):
-        for handler in logging.getLogger(name).handlers:
-            handler.addFilter(_NoUserErrorTracebacks())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from flows.reconcile import crash_runs_of_dead_processes, tag_this_flow_run
 from tasks import task_for
+from tasks.prefect_settings import project_logging, quiet_user_error_tracebacks
 from tasks.stage_task import markdown_table, mlflow_link, publish_cached
 from verl_core.pipeline import tracking
 from verl_core.pipeline.config import PipelineConfig, PolicyAlgorithm
@@ -133,7 +134,10 @@ def run_pipeline(config: PipelineConfig, flow_name: str, until: str | None = Non
     """Every step in registry order (or just ``until`` and what it needs).
 
     First, in seconds: the workdir and tracking URI are checked (``preflight``), the workdir is locked
-    (one writer at a time), and runs a killed attempt left RUNNING are ended (MLflow and Prefect)."""
+    (one writer at a time), and runs a killed attempt left RUNNING are ended (MLflow and Prefect). A user's
+    error is one readable line in the run's log (its traceback at DEBUG), wherever the flow runs."""
+    quiet_user_error_tracebacks()
+    project_logging()
     preflight(config)
     o = config.orchestration
     with workdir_lock(config.workdir_path, wait=o.busy_workdir == "wait", timeout=o.busy_wait_seconds):

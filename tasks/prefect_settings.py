@@ -8,6 +8,7 @@ Prefect in this project (the tasks, the flows, the CLI) goes through it. A value
 
 from __future__ import annotations
 
+import logging
 import os
 
 STARTUP_TIMEOUT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
@@ -32,6 +33,28 @@ def startup_timeout() -> str:
 def project_logging() -> None:
     """INFO records of ``verl_core`` (progress lines at a bounded rate, the trainers' notes) reach the handlers
     Prefect attaches to it; the root logger stays at Prefect's level."""
-    import logging
-
     logging.getLogger("verl_core").setLevel(logging.INFO)
+
+
+class QuietUserErrors(logging.Filter):
+    """Drop the traceback Prefect logs with a failed task or flow when the error is the user's (a
+    :class:`~verl_core.errors.UserError` names what to fix); it stays at DEBUG on ``verl_core.errors``.
+    ``VERL_CORE_DEBUG=1`` (the CLI's ``--debug``) keeps every traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from verl_core.errors import UserError
+
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            logging.getLogger("verl_core.errors").debug("traceback of: %s", record.getMessage(), exc_info=record.exc_info)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_user_error_tracebacks() -> None:
+    """Install :class:`QuietUserErrors` on Prefect's handlers (console and API) in this process."""
+    if os.environ.get("VERL_CORE_DEBUG") == "1":
+        return
+    for name in ("prefect", "prefect.flow_runs", "prefect.task_runs", ""):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, QuietUserErrors) for f in handler.filters):
+                handler.addFilter(QuietUserErrors())

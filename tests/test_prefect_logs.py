@@ -39,3 +39,28 @@ def test_training_progress_lines_reach_the_flow_runs_log(prefect_harness, tmp_pa
     lines = [log.message for log in logs if log.message.startswith("SFTTrainer: ")]
     assert lines and lines[-1].startswith("SFTTrainer: 40/40 steps (100%)") and "loss=" in lines[-1], [m.message for m in logs]
     assert len(lines) <= 41  # one a step at most here; the interval's doubling bounds a long run (test_progress)
+
+
+@pytest.mark.slow
+def test_a_user_error_is_one_readable_line_in_the_flow_runs_log_without_a_traceback(prefect_harness, tmp_path):
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    from flows import rlhf_pipeline
+    from verl_core.pipeline.config import load_pipeline_config
+
+    cfg = load_pipeline_config(
+        None,
+        [f"workdir={tmp_path}", f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "evaluation.data.path=/nonexistent/e.jsonl"],
+    )
+    state = rlhf_pipeline(cfg, return_state=True)
+    assert state.is_failed()
+    for handler in logging.getLogger("prefect.flow_runs").handlers:
+        if isinstance(handler, APILogHandler):
+            handler.flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    text = "\n".join(log.message for log in logs)
+    assert "data path does not exist: /nonexistent/e.jsonl" in text, text
+    assert "Traceback" not in text, text

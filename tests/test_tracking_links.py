@@ -34,3 +34,14 @@ def test_the_cli_prints_the_classic_experiment_link(tmp_path):
     tracking.experiment_id(cfg)
     mlflow_line = next(line for line in ui_locations(cfg) if line.startswith("MLflow UI:"))
     assert mlflow_line.endswith("?workflowType=machine_learning)"), mlflow_line
+
+
+def test_a_failed_runs_description_is_a_short_paragraph_and_the_tag_holds_the_whole_message():
+    from verl_core.data.errors import DataError
+    from verl_core.pipeline.tracking import failure_summary
+
+    long = DataError("sft.data: /data/sft.jsonl row 3 (line 4): missing field 'completion' " + "(context) " * 60)
+    text = failure_summary(long)
+    assert text.startswith("**Failed** with `DataError`: sft.data: /data/sft.jsonl row 3 (line 4): missing field")
+    assert len(text) < 320 and "```" not in text and text.endswith("(whole message: tag `verl_core.error`)")
+    assert failure_summary(DataError("short")) == "**Failed** with `DataError`: short"

@@ -292,6 +292,16 @@ def log_dataset(config: PipelineConfig, run_id: str, name: str, rows: list[dict]
         log.warning("could not log dataset %s to MLflow: %s", name, err)
 
 
+def failure_summary(error: BaseException, limit: int = 240) -> str:
+    """A short paragraph for a run's description (a long one-line code block squeezed MLflow's run panel); the
+    whole message is in the ``verl_core.error`` tag."""
+    message = " ".join(str(error).split())
+    short = message if len(message) <= limit else message[: limit - 1].rsplit(" ", 1)[0] + " …"
+    return f"**Failed** with `{type(error).__name__}`: {short}" + (
+        f" (whole message: tag `{ERROR_TAG}`)" if short != message else ""
+    )
+
+
 def end_run(
     config: PipelineConfig,
     run_id: str,
@@ -308,7 +318,7 @@ def end_run(
         text = f"{type(error).__name__}: {error}"
         c.set_tag(run_id, ERROR_TAG, text[:5000])
         note = c.get_run(run_id).data.tags.get(NOTE_TAG, "")
-        c.set_tag(run_id, NOTE_TAG, f"**Failed** with `{type(error).__name__}`:\n\n```\n{error}\n```\n\n{note}")
+        c.set_tag(run_id, NOTE_TAG, f"{failure_summary(error)}\n\n{note}")
     c.set_terminated(run_id, status=status)
 
 

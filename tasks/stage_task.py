@@ -21,6 +21,7 @@ from tasks.prefect_settings import project_logging
 from tasks.result_guard import refuse_foreign_result
 from verl_core.errors import UserError
 from verl_core.pipeline import model_registry, tracking
+from verl_core.pipeline.cached_run import log_cached_stage
 from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.launch import run_stage_launched
 from verl_core.pipeline.plan import plan_stage
@@ -173,7 +174,7 @@ def publish(
         f"- fingerprint: `{rec.fingerprint[:16]}`",
     ]
     if cached_from:
-        origin = tracking.run_url(config, cached_from) if tracking._run_exists(config, cached_from) else None
+        origin = tracking.run_url(config, cached_from) if tracking.run_exists(config, cached_from) else None
         lines.append("- served from the Prefect cache; computed by " + (f"[{cached_from}]({origin})" if origin else cached_from))
     if rec.extra.get("resumed_from_step"):
         lines.append(f"- resumed from checkpoint step {rec.extra['resumed_from_step']}")
@@ -197,6 +198,6 @@ def mlflow_link(config: PipelineConfig, run_id: str | None) -> str:
 def publish_cached(config: PipelineConfig, record: StageRecord, parent_run_id: str | None, flow_run_id: str | None) -> str:
     """A cache hit runs no task body: its MLflow child run (cached=true) and Prefect artifacts; returns the run id."""
     tracking.configure(config)
-    run_id = tracking.log_cached_stage(config, parent_run_id, record, flow_run_id)
+    run_id = log_cached_stage(config, parent_run_id, record, flow_run_id)
     publish(config, record, run_id, cached_from=record.mlflow_run_id)
     return run_id

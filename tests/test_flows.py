@@ -202,6 +202,7 @@ def test_rerunning_the_same_pipeline_is_all_cached_and_fast(first):
     assert sorted(cached) == sorted(TRAINED)
     for name, run in cached.items():
         assert run.info.status == "FINISHED" and run.data.tags["cached"] == "true"
+        assert run.info.run_name.endswith(" (cached)") and run.data.params  # seen in the table; its settings
         assert run.data.tags["verl_core.cached_from_run_id"] == result.records[name].mlflow_run_id
     assert cached["evaluation"].data.metrics["accuracy/final"] == result.records["evaluation"].metrics["accuracy/final"]
     parent = mlflow_client(cfg).get_run(again.mlflow_run_id)

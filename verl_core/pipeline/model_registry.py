@@ -47,7 +47,7 @@ def register_policy(
     if not name:
         return None
     c = tracking.client(config)
-    train_run = final.mlflow_run_id if final.mlflow_run_id and tracking._run_exists(config, final.mlflow_run_id) else None
+    train_run = final.mlflow_run_id if final.mlflow_run_id and tracking.run_exists(config, final.mlflow_run_id) else None
     if train_run and tracking.MODEL_ARTIFACT in {a.path for a in c.list_artifacts(train_run)}:
         source = f"{c.get_run(train_run).info.artifact_uri}/{tracking.MODEL_ARTIFACT}"
     else:

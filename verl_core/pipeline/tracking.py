@@ -148,7 +148,7 @@ def _open(config: PipelineConfig, reuse_tag: str | None, reuse_value: str | None
     return run_id
 
 
-def _prefect_link(flow_run_id: str | None, url: str | None) -> str:
+def prefect_link(flow_run_id: str | None, url: str | None) -> str:
     return f"; Prefect flow run: [{flow_run_id}]({url})" if url else ""
 
 
@@ -166,7 +166,7 @@ def start_pipeline_run(config: PipelineConfig, flow_name: str, flow_run_id: str 
             FLOW_RUN_URL_TAG: url or "",
             "verl_core.flow": flow_name,
             "verl_core.algorithm": config.policy_optimisation.algorithm,
-            NOTE_TAG: f"Pipeline `{config.name}`, flow `{flow_name}`" + _prefect_link(flow_run_id, url),
+            NOTE_TAG: f"Pipeline `{config.name}`, flow `{flow_name}`" + prefect_link(flow_run_id, url),
         },
     )
     log_params(config, run_id, key_params(config))
@@ -209,7 +209,7 @@ def start_stage_run(
         NOTE_TAG: f"Stage `{stage}`"
         + (f" ({variant})" if variant else "")
         + (f" round {round}" if round else "")
-        + _prefect_link(flow_run_id, url),
+        + prefect_link(flow_run_id, url),
     }
     name = (stage if not variant else f"{stage}-{variant}") + (f"-round{round}" if round else "")
     run_id = _open(config, TASK_RUN_TAG, task_run_id, name, tags)
@@ -344,50 +344,7 @@ def finish_pipeline_run(
     end_run(config, run_id, "FAILED" if error is not None else "FINISHED", tags, error)
 
 
-def log_cached_stage(
-    config: PipelineConfig, parent_run_id: str | None, record: StageRecord, flow_run_id: str | None = None
-) -> str:
-    """A FINISHED child run for a stage Prefect served from its cache, so the pipeline run is complete
-    in MLflow: tagged ``cached=true``, linking the run that computed it, with its headline metrics."""
-    import time
-
-    from mlflow.entities import Metric
-
-    c = client(config)
-    origin = record.mlflow_run_id
-    origin_url = run_url(config, origin) if origin and _run_exists(config, origin) else None
-    url = prefect_flow_run_url(flow_run_id)
-    name = (record.stage if not record.variant else f"{record.stage}-{record.variant}") + (
-        f"-round{record.round}" if record.round else ""
-    )
-    note = f"Stage `{record.stage}` served from the Prefect cache (key `{(record.cache_key or '')[:16]}`)"
-    note += f"; computed by [{origin}]({origin_url})" if origin_url else ""
-    note += _prefect_link(flow_run_id, url)
-    tags = {
-        PARENT_TAG: parent_run_id or "",
-        STAGE_TAG: record.stage,
-        "verl_core.variant": record.variant or "",
-        "verl_core.round": str(record.round) if record.round else "",
-        "verl_core.cache_key": record.cache_key or "",
-        "cached": "true",
-        "verl_core.cached_from_run_id": origin or "",
-        "verl_core.cached_from_url": origin_url or "",
-        "verl_core.data.fingerprint": record.fingerprint,
-        "verl_core.output_path": record.output_path,
-        FLOW_RUN_TAG: flow_run_id or "",
-        FLOW_RUN_URL_TAG: url or "",
-        NOTE_TAG: note,
-    }
-    run_id = c.create_run(experiment_id(config), run_name=name, tags={k: v for k, v in tags.items() if v}).info.run_id
-    now = int(time.time() * 1000)
-    metrics = [Metric(k, v, now, int(record.extra.get("steps", 0))) for k, v in record.metrics.items()]
-    for i in range(0, len(metrics), 500):
-        c.log_batch(run_id, metrics=metrics[i : i + 500])
-    c.set_terminated(run_id, "FINISHED")
-    return run_id
-
-
-def _run_exists(config: PipelineConfig, run_id: str) -> bool:
+def run_exists(config: PipelineConfig, run_id: str) -> bool:
     try:
         client(config).get_run(run_id)
         return True

@@ -57,3 +57,16 @@ def test_unknown_config_keys_and_bad_values_are_rejected(tiny_path, tmp_path):
         SFTConfig.from_yaml(tmp_path / "bad.yaml")
     with pytest.raises(ConfigError):
         TinyModelConfig(hidden_sizes=3)
+
+
+def test_a_reward_model_from_a_causal_lm_prints_no_coloured_load_report(tiny_path, capfd, caplog):
+    """transformers' "LOAD REPORT ... score.weight MISSING" (raw ANSI codes in a log) becomes one plain line."""
+    import logging
+
+    from verl_core.modeling.loading import load_reward_model
+
+    with caplog.at_level(logging.INFO, logger="verl_core"):
+        load_reward_model(tiny_path)
+    out, err = capfd.readouterr()
+    assert "LOAD REPORT" not in out + err and "\x1b[" not in out + err
+    assert any("a new score head" in r.getMessage() for r in caplog.records)

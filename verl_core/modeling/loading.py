@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +19,9 @@ from verl_core.train.progress import quiet_library_bars
 
 DType = Literal["float32", "bfloat16", "float16"]
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+log = logging.getLogger("verl_core")
 
 
 class ModelLoadError(UserError, ValueError):
@@ -101,6 +106,24 @@ def load_causal_lm(
     return _prepare(model, gradient_checkpointing, lora, trainable, task_type="CAUSAL_LM")
 
 
+class _NewScoreHeadOnly(logging.Filter):
+    """Drop transformers' load report when the only weights it calls missing are the new score head's."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.source = source
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage())
+        if "LOAD REPORT" not in text:
+            return True
+        missing = [line.split("|")[0].strip() for line in text.splitlines() if "| MISSING" in line]
+        if missing and all(name.startswith("score.") for name in missing):
+            log.info("reward model from %s: a new score head on the causal LM's weights", self.source)
+            return False
+        return True
+
+
 def load_reward_model(
     path: str | os.PathLike,
     dtype: DType = "float32",
@@ -114,7 +137,15 @@ def load_reward_model(
     """
     from transformers import AutoModelForSequenceClassification
 
-    model = _from_pretrained(AutoModelForSequenceClassification, path, dtype, trust_remote_code, num_labels=1)
+    # transformers' coloured "LOAD REPORT ... score.weight MISSING" for the head that is new by design: one plain
+    # line instead; a report naming any other missing weight is kept
+    report_filter = _NewScoreHeadOnly(str(path))
+    modeling_log = logging.getLogger("transformers.modeling_utils")
+    modeling_log.addFilter(report_filter)
+    try:
+        model = _from_pretrained(AutoModelForSequenceClassification, path, dtype, trust_remote_code, num_labels=1)
+    finally:
+        modeling_log.removeFilter(report_filter)
     if model.config.pad_token_id is None:
         raise ModelLoadError(f"{path}: the reward model needs config.pad_token_id to find each sequence's last token")
     return _prepare(model, gradient_checkpointing, None, trainable, task_type="SEQ_CLS")

@@ -16,7 +16,8 @@ from verl_core.config import ConfigError
 from verl_core.data import load_rows, tokenize_pairs, tokenize_prompts, tokenize_sft, tokenize_unpaired
 from verl_core.data.errors import DataError
 from verl_core.errors import TrackingError, UserError, WorkdirError
-from verl_core.modeling.loading import ModelLoadError, load_causal_lm, load_tokenizer
+from verl_core.modeling.loading import load_causal_lm, load_tokenizer
+from verl_core.modeling.model_files import ModelLoadError
 from verl_core.pipeline.config import load_pipeline_config
 from verl_core.train.state_io import CheckpointError, refuse_pickles
 

@@ -135,7 +135,7 @@ def test_nan_loss_stops_training_without_a_checkpoint(tiny_path, tmp_path):
 
 @pytest.mark.slow
 def test_too_few_rows_for_the_batch_train_on_batches_of_what_there_is(tiny_path):
-    trainer = _trainer(tiny_path, None, train_dataset=ROWS[:4], batch_size=8)
+    trainer = _trainer(tiny_path, None, train_dataset=ROWS[:4], batch_size=8, shrink_batch_to_data=True)
     assert trainer.config.batch_size == 4 and trainer.train().steps >= 1
 
 

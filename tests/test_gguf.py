@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_core.bundled import real_model
 from verl_core.bundled.tiny_model import CHAT_TEMPLATE, TinyModelConfig, build_model, build_tokenizer
 from verl_core.modeling import gguf as gguf_source
-from verl_core.modeling.loading import ModelLoadError, check_model_source, load_causal_lm, load_tokenizer
+from verl_core.modeling import real_model
+from verl_core.modeling.loading import check_model_source, load_causal_lm, load_tokenizer
+from verl_core.modeling.model_files import ModelLoadError
 
 pytestmark = pytest.mark.fast
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'verl-core[gguf]')")

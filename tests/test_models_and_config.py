@@ -8,7 +8,8 @@ import torch
 from verl_core.algorithms.sft import SFTConfig, SFTTrainer
 from verl_core.bundled.tiny_model import TinyModelConfig, tiny_model_path
 from verl_core.config import ConfigError
-from verl_core.modeling.loading import LoraSettings, ModelLoadError, load_causal_lm, load_reward_model, load_tokenizer
+from verl_core.modeling.loading import LoraSettings, load_causal_lm, load_reward_model, load_tokenizer
+from verl_core.modeling.model_files import ModelLoadError
 
 
 def test_tiny_default_is_deterministic_and_loads_with_from_pretrained(tmp_path):

@@ -7,12 +7,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from verl_core.train.progress import LineProgress, progress_bar
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_line_progress_prints_one_line_per_interval_and_a_last_line():
+@pytest.fixture()
+def printed(monkeypatch):
+    """Lines printed, not logged: in the suite the project's logger may have Prefect's handlers attached."""
+    from verl_core.train import progress
+
+    monkeypatch.setattr(progress, "_logged", lambda: False)
+
+
+def test_line_progress_prints_one_line_per_interval_and_a_last_line(printed):
     out = io.StringIO()
     bar = LineProgress(total=100, desc="train", interval=0.0, file=out)
     bar.set_postfix({"loss": "0.5"})
@@ -53,7 +63,7 @@ def test_a_terminal_gets_a_tqdm_bar(monkeypatch):
     bar.close()
 
 
-def test_a_long_run_logs_a_bounded_number_of_lines(monkeypatch):
+def test_a_long_run_logs_a_bounded_number_of_lines(monkeypatch, printed):
     """The interval doubles every LINES_PER_DOUBLING lines: a 10-hour run at 30 s gives ~250 lines, not 1,200."""
     from verl_core.train import progress
 

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from verl_core.bundled import real_model
 from verl_core.modeling import gguf as gguf_source
+from verl_core.modeling import real_model
 from verl_core.modeling.loading import check_model_source, load_causal_lm, load_tokenizer
 
 pytestmark = [

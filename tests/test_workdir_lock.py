@@ -116,6 +116,10 @@ def test_runs_left_running_by_a_dead_process_are_ended_killed_with_a_note(tmp_pa
 
 
 def _race_for_a_stale_lock(path, barrier, holders, most, rounds: int) -> None:
+    import logging
+
+    logging.getLogger("verl_core").handlers.clear()  # a forked child must not use the parent's (Prefect's) handlers
+    logging.getLogger("verl_core").propagate = False
     for _ in range(rounds):
         barrier.wait()  # the parent has planted a stale lock; everyone tries at once
         try:

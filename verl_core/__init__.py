@@ -17,7 +17,8 @@ from verl_core.bundled.tiny_model import tiny_model_path
 from verl_core.config import ConfigError
 from verl_core.data import DataError
 from verl_core.errors import TrainingError
-from verl_core.modeling.loading import LoraSettings, ModelLoadError, load_causal_lm, load_reward_model, load_tokenizer
+from verl_core.modeling.loading import LoraSettings, load_causal_lm, load_reward_model, load_tokenizer
+from verl_core.modeling.model_files import ModelLoadError
 from verl_core.train.callbacks import Callback, ConsoleCallback, MLflowCallback
 from verl_core.train.config import TrainConfig
 from verl_core.train.engine import Engine, LossOutput, TrainResult

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from verl_core.bundled.tiny_model import default_cache_dir
-from verl_core.modeling.loading import ModelLoadError, _remove_partial_writes
+from verl_core.modeling.model_files import ModelLoadError, remove_partial_writes
 
 GGUF_MAGIC = b"GGUF"
 GGUF_SUFFIX = ".gguf"
@@ -148,7 +148,7 @@ def converted_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | Non
     with _conversion_lock(root):
         if _done(target):  # another process converted it while this one waited
             return target
-        _remove_partial_writes(target)
+        remove_partial_writes(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-{os.getpid()}-", dir=root))
         try:
             _convert(file, tmp, arch, sha)

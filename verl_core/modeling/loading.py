@@ -13,8 +13,7 @@ from pydantic import Field
 
 from verl_core.config import StrictConfig
 from verl_core.data.hub import hub_id, hub_offline, not_found_hint
-from verl_core.errors import UserError
-from verl_core.processes import pid_alive
+from verl_core.modeling.model_files import ModelLoadError, remove_partial_writes
 from verl_core.train.progress import quiet_library_bars
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -22,10 +21,6 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 log = logging.getLogger("verl_core")
-
-
-class ModelLoadError(UserError, ValueError):
-    """A model or tokenizer that cannot be loaded; the message says which and why."""
 
 
 class LoraSettings(StrictConfig):
@@ -41,13 +36,13 @@ def check_model_source(path: str | os.PathLike) -> str:
     """What ``from_pretrained`` is given for a model path: a folder, or a hub id when allowed.
 
     Every model path (base, SFT/RM/policy, reference, reward model, the trainers, tokenizers) resolves here,
-    so the other sources are handled once: ``bundled:<name>`` (:mod:`verl_core.bundled.real_model`) and a
+    so the other sources are handled once: ``bundled:<name>`` (:mod:`verl_core.modeling.real_model`) and a
     ``.gguf`` file, each turned into a cached Hugging Face folder (:mod:`verl_core.modeling.gguf`).
     Anything that cannot be loaded raises :class:`ModelLoadError` naming the path.
     """
     text = str(path)
     if text.startswith("bundled:"):
-        from verl_core.bundled.real_model import bundled_model_path
+        from verl_core.modeling.real_model import bundled_model_path
 
         return str(bundled_model_path(text.removeprefix("bundled:")))
     local = Path(text).expanduser()
@@ -173,16 +168,6 @@ def is_peft(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
-def _remove_partial_writes(target: Path) -> None:
-    """Delete ``.<name>-<pid>-*`` folders that a killed save of ``target`` left (their process is gone)."""
-    import shutil
-
-    for partial in target.parent.glob(f".{target.name}-*"):
-        pid = partial.name[len(target.name) + 2 :].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(partial, ignore_errors=True)
-
-
 def save_pretrained_atomic(model, tokenizer, target: str | os.PathLike) -> Path:
     """Write an HF folder under a temporary name, then rename it into place.
 
@@ -196,7 +181,7 @@ def save_pretrained_atomic(model, tokenizer, target: str | os.PathLike) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     if is_peft(model):
         model = model.merge_and_unload()
-    _remove_partial_writes(target)
+    remove_partial_writes(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-{os.getpid()}-", dir=target.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)

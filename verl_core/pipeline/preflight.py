@@ -135,7 +135,8 @@ def model_paths(config: PipelineConfig) -> dict[str, str]:
 
 
 def check_models(config: PipelineConfig) -> None:
-    from verl_core.modeling.loading import ModelLoadError, check_model_source
+    from verl_core.modeling.loading import check_model_source
+    from verl_core.modeling.model_files import ModelLoadError
 
     for key, path in model_paths(config).items():
         try:

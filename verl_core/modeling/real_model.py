@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from verl_core.modeling.loading import ModelLoadError
+from verl_core.modeling.model_files import ModelLoadError
 
 BUNDLED_PREFIX = "bundled:"
 

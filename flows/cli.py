@@ -28,7 +28,7 @@ from tasks.prefect_settings import STARTUP_TIMEOUT_SETTING, quiet_user_error_tra
 from verl_core.algorithms.registry import ALGORITHMS
 from verl_core.errors import UserError
 from verl_core.pipeline.config import PipelineConfig, load_pipeline_config
-from verl_core.pipeline.form import DEFAULT_CONFIG_FILE
+from verl_core.pipeline.form import DEFAULT_CONFIG_FILE, config_file_or_default
 from verl_core.pipeline.preflight import preflight
 from verl_core.pipeline.registry import STAGE_ORDER
 
@@ -36,8 +36,7 @@ DEFAULT_CONFIG = Path(DEFAULT_CONFIG_FILE)
 
 
 def _config(args) -> PipelineConfig:
-    path = args.config or (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
-    return load_pipeline_config(path, list(args.set or []))
+    return load_pipeline_config(config_file_or_default(args.config), list(args.set or []))
 
 
 class PrefectStartupError(UserError, RuntimeError):

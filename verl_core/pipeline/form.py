@@ -34,11 +34,20 @@ FORM_KEYS: dict[str, str] = {
 }
 
 
+def config_file_or_default(given: str | Path | None) -> str | Path | None:
+    """``given``, else ``configs/default.yaml`` when it exists (what the CLI and the form both read)."""
+    return given or (DEFAULT_CONFIG_FILE if Path(DEFAULT_CONFIG_FILE).is_file() else None)
+
+
 def form_config(choices: dict[str, Any], overrides: list[str] | None = None, config_file: str | None = None) -> PipelineConfig:
     """The config file (``configs/default.yaml`` when it exists), then each non-empty choice, then ``overrides``."""
-    path = config_file or (DEFAULT_CONFIG_FILE if Path(DEFAULT_CONFIG_FILE).is_file() else None)
-    base = load_pipeline_config(path, list(overrides or []))
-    algorithm = choices.get("algorithm") or base.policy_optimisation.algorithm
+    path = config_file_or_default(config_file)
+    # the config is read a first time only to learn which algorithm's section the step count belongs to
+    algorithm = choices.get("algorithm") or (
+        load_pipeline_config(path, list(overrides or [])).policy_optimisation.algorithm
+        if choices.get("policy_max_steps") is not None
+        else None
+    )
     sets = [
         f"{FORM_KEYS[name].format(algorithm=algorithm)}={json.dumps(value)}"
         for name, value in choices.items()

@@ -78,6 +78,10 @@ def test_the_agent_recipe_runs_as_a_prefect_flow_tracked_in_mlflow_and_reruns_ca
     assert {r.info.status for r in runs.values()} == {"FINISHED"}
     assert "agent/tool_calls_per_episode" in runs["policy_optimisation"].data.metrics
     assert "agent_trajectories_final.json" in {a.path for a in client.list_artifacts(runs["evaluation"].info.run_id)}
+    evaluation = runs["evaluation"]
+    traces = client.search_traces(locations=[exp.experiment_id], run_id=evaluation.info.run_id, max_results=100)
+    kinds = {t.info.tags["verl_core.kind"] for t in traces}
+    assert {"evaluation sft", "evaluation final"} <= kinds and all(any(s.name == "turn 1" for s in t.data.spans) for t in traces)
 
     again = rlhf_pipeline(config)
     assert {again.states[s] for s in ("sft", "policy_optimisation", "evaluation")} == {"Cached"}

@@ -138,6 +138,11 @@ def test_each_evaluation_logs_a_trajectory_table_to_mlflow(agent_sft_path):
     assert len(table) == 8 and {"turns", "tool_calls", "tool_errors", "reward", "transcript"} <= set(table.columns)
     metrics = client.get_run(run.info.run_id).data.metrics
     assert "eval/agent/tool_calls_per_episode" in metrics and "agent/turns_mean" in metrics
+    # the same episodes as MLflow traces (the Traces tab): 8 per evaluation, a span per policy turn
+    traces = client.search_traces(locations=[run.info.experiment_id], run_id=run.info.run_id, max_results=200)
+    evaluation = [t for t in traces if t.info.tags.get("verl_core.kind") == "evaluation"]
+    assert sorted({t.info.tags["verl_core.step"] for t in evaluation}) == ["1", "2"] and len(evaluation) == 16
+    assert all(any(s.name == "turn 1" for s in t.data.spans) for t in evaluation)
 
 
 # Measured (bench/agent_rl.py, 2-core Xeon, fp32, seeds 0-2): SFT 0.030; GRPO + calculator 0.915-0.925, RLOO 0.915-0.920,

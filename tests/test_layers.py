@@ -22,7 +22,7 @@ ALLOWED = {
     "tasks": {"verl_core", "tasks"},
     "flows": {"verl_core", "tasks", "flows"},
 }
-MLFLOW_IN_KERNEL = {"verl_core.train.callbacks"}  # the MLflow callback: the one kernel file that may import mlflow
+MLFLOW_IN_KERNEL = {"verl_core.train.callbacks", "verl_core.train.traces"}  # the MLflow callback and its traces (lazy imports)
 
 pytestmark = pytest.mark.fast
 

@@ -16,7 +16,7 @@ from verl_core.agents.environments import (
     register_environment,
     tokenize_agent_prompts,
 )
-from verl_core.agents.episodes import AgentLoop, Episode, episode_metrics, trajectory_table
+from verl_core.agents.episodes import AgentLoop, Episode, episode_metrics, episode_samples, trajectory_table
 from verl_core.agents.parsers import TOOL_CALL_PARSERS, ParsedTurn, register_parser
 from verl_core.agents.tools import TOOLS, Tool, ToolCall, ToolResult, call_tools, register_tool
 
@@ -36,6 +36,7 @@ __all__ = [
     "build_agent_loop",
     "call_tools",
     "episode_metrics",
+    "episode_samples",
     "evaluate_episodes",
     "get_environment",
     "register_environment",

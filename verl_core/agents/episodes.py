@@ -186,3 +186,18 @@ def trajectory_table(episodes: Sequence[Episode], scores: Sequence[float], token
         "reward": [float(s) for _, s in rows],
         "transcript": [tokenizer.decode(e.response, skip_special_tokens=False)[:2000] for e, _ in rows],
     }
+
+
+def episode_samples(episodes: Sequence[Episode], scores: Sequence[float | None], tokenizer, limit: int = 8) -> list[dict]:
+    """The first ``limit`` episodes as samples for MLflow traces (:mod:`verl_core.train.traces`): prompt,
+    the policy's text, reward, and the turns with their tool calls and results."""
+    return [
+        {
+            "prompt": tokenizer.decode(e.prompt_ids, skip_special_tokens=True),
+            "completion": tokenizer.decode([t for t, m in zip(e.response, e.policy_mask) if m], skip_special_tokens=True),
+            "reward": None if s is None else float(s),
+            "turns": e.turns,
+            "truncated": e.truncated,
+        }
+        for e, s in list(zip(episodes, scores))[:limit]
+    ]

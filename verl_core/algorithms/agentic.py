@@ -24,9 +24,10 @@ def online_prompts(config, prompts: Any, tokenizer, agent: AgentLoop | None) -> 
 
 def evaluate_agent(trainer, lm) -> dict[str, float]:
     """Held-out accuracy of greedy episodes (``eval/accuracy``), their tool metrics (``eval/agent/*``),
-    and the first episodes as a table (:meth:`~verl_core.train.callbacks.Callback.on_table`)."""
+    and the first episodes as a table and as samples (:meth:`~verl_core.train.callbacks.Callback.on_table`,
+    :meth:`~verl_core.train.callbacks.Callback.on_samples`: MLflow traces)."""
     from verl_core.agents.environments import evaluate_episodes
-    from verl_core.agents.episodes import episode_metrics, trajectory_table
+    from verl_core.agents.episodes import episode_metrics, episode_samples, trajectory_table
     from verl_core.rollout.hf_backend import HFRolloutBackend
 
     c, tok = trainer.config, trainer.policy.tokenizer
@@ -37,7 +38,9 @@ def evaluate_agent(trainer, lm) -> dict[str, float]:
     engine = trainer.engine
     if engine is not None and engine.is_main:
         table = trajectory_table(episodes, scores, tok)
+        samples = episode_samples(episodes, scores, tok)
         for cb in trainer.callbacks:
             cb.on_table(engine.step, "agent_trajectories", table)
+            cb.on_samples(engine.step, "evaluation", samples)
     metrics = {f"eval/{k}": v for k, v in episode_metrics(episodes).items()}
     return {"eval/accuracy": accuracy, **metrics}

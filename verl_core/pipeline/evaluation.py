@@ -16,6 +16,8 @@ from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOut
 from verl_core.pipeline.report import plot_report, write_csv
 from verl_core.rollout.registry import RolloutConfig, build_rollout_backend, close_backend
 
+TRACE_SAMPLES = 8  # answers per evaluated policy written as MLflow traces (the Traces tab)
+
 
 def _bundled(cfg) -> list[dict] | None:
     c = cfg.evaluation
@@ -50,6 +52,7 @@ def score_policy(
     if rollout is not None and not rollout.spec.shares_training_model:
         backend = build_rollout_backend(rollout, model, tok)
     out: dict[str, float] = {}
+    scores: list[float | None] = [None] * len(rows)
     try:
         if agent is not None:
             return _score_episodes(model, tok, rows, reward, max_new_tokens, max_prompt_length, backend, agent)
@@ -62,12 +65,18 @@ def score_policy(
     finally:
         close_backend(backend)
     if reward_model is not None:
-        out["reward_score"] = RewardModel.from_pretrained(reward_model).score([r["prompt"] for r in rows], texts).mean().item()
-    return out, texts
+        rm_scores = RewardModel.from_pretrained(reward_model).score([r["prompt"] for r in rows], texts)
+        out["reward_score"] = rm_scores.mean().item()
+        scores = [s if s is not None else r for s, r in zip(scores, rm_scores.tolist())]
+    samples = [
+        {"prompt": row["prompt"], "completion": text, "reward": score, "ground_truth": row.get("ground_truth")}
+        for row, text, score in list(zip(rows, texts, scores))[:TRACE_SAMPLES]
+    ]
+    return out, texts, None, samples
 
 
 def _score_episodes(model, tok, rows, reward, max_new_tokens, max_prompt_length, backend, agent):
-    from verl_core.agents import build_agent_loop, episode_metrics, evaluate_episodes, trajectory_table
+    from verl_core.agents import build_agent_loop, episode_metrics, episode_samples, evaluate_episodes, trajectory_table
     from verl_core.rollout.hf_backend import HFRolloutBackend
 
     loop = build_agent_loop(agent, tok, max_new_tokens)
@@ -77,7 +86,7 @@ def _score_episodes(model, tok, rows, reward, max_new_tokens, max_prompt_length,
     )
     texts = [tok.decode([t for t, m in zip(e.response, e.policy_mask) if m], skip_special_tokens=True) for e in episodes]
     out = {"accuracy": accuracy, **episode_metrics(episodes)}
-    return out, texts, trajectory_table(episodes, scores, tok)
+    return out, texts, trajectory_table(episodes, scores, tok), episode_samples(episodes, scores, tok, TRACE_SAMPLES)
 
 
 def answer_samples(rows: list[dict], texts: list[str], reward: str | None, n: int = 20) -> list[dict]:
@@ -137,6 +146,7 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
     if "accuracy/final" in metrics:
         metrics["accuracy_gain"] = metrics["accuracy/final"] - metrics["accuracy/sft"]
     samples = answer_samples(rows, scored[final.fingerprint][1], c.reward)
+    traces = {f"evaluation {label}": scored[rec.fingerprint][3] for label, rec in policies}
     (report / "results.json").write_text(json.dumps({"table": table, "metrics": metrics}, indent=2))
     (report / "final_answers.json").write_text(json.dumps(samples, indent=2))
     write_csv(report / "evaluation.csv", table)
@@ -153,6 +163,7 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
         artifacts=[plot, report / "evaluation.csv", report / "results.json", report / "final_answers.json", *trajectories],
         model_to_log=final.output_path,
         datasets=[DatasetUse("eval", rows, "evaluation", data_label(c.data, "eval"))],
+        traces=traces,
         extra={"final_stage": final.stage, "final_path": final.output_path},
     )
 

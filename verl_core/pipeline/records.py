@@ -58,6 +58,7 @@ class StageOutput:
     datasets: list[DatasetUse] = field(default_factory=list)
     artifacts: list[Path] = field(default_factory=list)
     tables: dict[str, list[dict]] = field(default_factory=dict)
+    traces: dict[str, list[dict]] = field(default_factory=dict)  # kind -> samples (verl_core.train.traces)
     model_to_log: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

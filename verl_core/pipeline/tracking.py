@@ -20,6 +20,7 @@ from verl_core.pipeline.config import PipelineConfig
 from verl_core.pipeline.records import StageRecord, StageResult
 from verl_core.pipeline.run_summary import headline_metrics, key_params, pipeline_run_name, prefect_flow_run_url
 from verl_core.pipeline.workdir_lock import owner_tags
+from verl_core.train.traces import log_sample_traces
 
 log = logging.getLogger("verl_core")
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
@@ -242,8 +243,8 @@ def log_inputs(config: PipelineConfig, run_id: str, inputs: dict[str, StageRecor
 
 
 def log_stage_result(config: PipelineConfig, run_id: str, result: StageResult) -> None:
-    """Summary metrics (those without a curve, once each), fingerprint, datasets, artifact files and
-    the stage's model folder (``tracking.log_stage_models``)."""
+    """Summary metrics (those without a curve, once each), fingerprint, datasets, artifact files, sample
+    answers as traces and the stage's model folder (``tracking.log_stage_models``)."""
     import time
 
     from mlflow.entities import Metric
@@ -266,6 +267,8 @@ def log_stage_result(config: PipelineConfig, run_id: str, result: StageResult) -
     for path in out.artifacts:
         if Path(path).is_file():
             c.log_artifact(run_id, str(path))
+    for kind, samples in out.traces.items():
+        log_sample_traces(c, run_id, kind, step, samples)
     if config.tracking.log_stage_models and is_model_folder(rec.output_path):
         c.log_artifacts(run_id, rec.output_path, MODEL_ARTIFACT)
 

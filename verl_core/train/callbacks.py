@@ -35,6 +35,11 @@ class Callback:
         """A table of samples at loop step ``step`` (main process only), e.g. an evaluation's agent
         trajectories: ``columns`` maps each column name to its values, one per row."""
 
+    def on_samples(self, step: int, kind: str, samples: list[dict]) -> None:
+        """Samples of what the policy wrote at loop step ``step`` (main process only): ``kind`` is
+        ``"rollout"`` (training) or ``"evaluation"``; each sample is a dict of the form
+        :mod:`verl_core.train.traces` describes (prompt, completion, reward, agent turns)."""
+
 
 class ConsoleCallback(Callback):
     def on_log(self, step: int, metrics: dict[str, float]) -> None:
@@ -76,6 +81,12 @@ class MLflowCallback(Callback):
     def on_table(self, step: int, name: str, columns: dict[str, list]) -> None:
         """An MLflow table artifact ``<name>/step_<step>.json`` (the run's Artifacts and Evaluation views)."""
         self.client.log_table(self.run_id, data=columns, artifact_file=f"{self.prefix}{name}/step_{step:06d}.json")
+
+    def on_samples(self, step: int, kind: str, samples: list[dict]) -> None:
+        """Each sample as an MLflow trace linked to the run (:mod:`verl_core.train.traces`)."""
+        from verl_core.train.traces import log_sample_traces
+
+        log_sample_traces(self.client, self.run_id, f"{self.prefix}{kind}", step, samples)
 
 
 class HistoryCallback(Callback):

@@ -4,6 +4,7 @@
     verl-core stage sft|preference_data|reward_model|policy_optimisation|evaluation [--config ...] [--set ...]
     verl-core servers [--prefect-port 4200] [--mlflow-port 5000] [--workdir runs]   # serves runs/mlflow.db
     verl-core config [--config ...] [--set ...]        # print the resolved config
+    verl-core serve-reward --reward NAME_OR_PATH --port 8765 [--host 127.0.0.1] [--token T | --token-env VAR]
 
 The command names, stage choices and algorithm list come from the registries
 (:data:`verl_core.pipeline.registry.STEPS`, :data:`verl_core.algorithms.registry.ALGORITHMS`).
@@ -273,6 +274,33 @@ def cmd_servers(args) -> int:
             stop(p)
 
 
+def cmd_serve_reward(args) -> int:
+    """A reward as an HTTP service until Ctrl-C or SIGTERM (:mod:`verl_core.rewards.serve`)."""
+    import logging
+
+    from verl_core.config import ConfigError
+    from verl_core.rewards.serve import serve_reward
+
+    _quiet_defaults()
+    logger = logging.getLogger("verl_core")
+    level = logger.level
+    logger.setLevel(logging.INFO)  # the judge's first prompt and its parse errors
+    token = args.token
+    if args.token_env:
+        token = os.environ.get(args.token_env)
+        if not token:
+            raise ConfigError(f"--token-env {args.token_env}: that environment variable is not set")
+    before = signal.signal(signal.SIGTERM, _interrupt)  # `kill PID` stops serving too
+    try:
+        serve_reward(args.reward, args.host, args.port, token, on_ready=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        logger.setLevel(level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-core", description="LLM post-training pipeline (Prefect + MLflow)")
     parser.add_argument("--debug", action="store_true", help="print full tracebacks of errors")
@@ -301,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlflow-port", type=int, default=5000)
     p.add_argument("--workdir", default="runs", help="the pipeline's workdir, whose MLflow store the server serves")
     p.set_defaults(fn=cmd_servers)
+    p = sub.add_parser("serve-reward", help="serve a reward over HTTP: POST /score, GET /health")
+    p.add_argument("--reward", required=True, help="reward-model folder, rule name, judge:<model>, or a YAML file")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default loopback only)")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token", help="require Authorization: Bearer TOKEN on /score")
+    token.add_argument("--token-env", metavar="VAR", help="like --token, read from this environment variable")
+    p.set_defaults(fn=cmd_serve_reward)
     return parser
 
 

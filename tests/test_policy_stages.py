@@ -33,11 +33,12 @@ def tiny_run(tmp: Path, algorithm: str) -> list[str]:
         "online": ["batch_size=16", "max_new_tokens=24", "mini_batch_size=8"],
         "rounds": ["batch_size=4", "rounds=2", "prompts_per_round=16"],
     }[kind]
+    needs = {"distill": ["teacher_model=bundled:tiny"]}.get(algorithm, [])  # the base model teaches the SFT policy
     return [
         f"workdir={tmp}",
         f"policy_optimisation.algorithm={algorithm}",
         "policy_optimisation.prompts.limit=16",
-        *(f"policy_optimisation.{algorithm}.{kv}" for kv in common + sizes),
+        *(f"policy_optimisation.{algorithm}.{kv}" for kv in common + sizes + needs),
     ]
 
 

@@ -12,9 +12,8 @@ One training step (the RLHF loop of Ziegler et al. 2019, arXiv:1909.08593, and O
 6. ``ppo_epochs`` passes over shuffled mini-batches, one ``Engine.optimizer_step`` each, on the
    policy loss ``POLICY_LOSSES[policy_loss]`` (default ``"vanilla"``, the PPO clipped surrogate;
    ``"gspo"``, ``"cispo"``) aggregated with ``loss_agg`` (default: that loss's own) (+ entropy
-   bonus, + KL when ``kl_in="loss"``, + the algorithm's extra loss, e.g. the PPO value loss).
-
-Steps 1-3 are :meth:`OnlineTrainer.collect` (GRPO's dynamic sampling repeats them).
+   bonus, + KL when ``kl_in="loss"``, + the algorithm's extra loss, e.g. the PPO value loss). Steps 1-3
+   are :meth:`OnlineTrainer.collect` (GRPO's dynamic sampling repeats them).
 
 :meth:`OnlineTrainer.train_step` is that step; :meth:`Engine.run` loops over it (resume, logging,
 eval and checkpoint cadences in rollout steps, callbacks). Each update's own metrics reach
@@ -52,6 +51,7 @@ from verl_core.algorithms.async_rollout import build_backend
 from verl_core.algorithms.base import FINAL_MODEL_DIR, resolve_config
 from verl_core.algorithms.online_batch import gather_experience, gather_rows, mean_over_ranks, minibatch_share
 from verl_core.algorithms.online_config import OnlineConfig
+from verl_core.algorithms.online_scoring import rollout_samples, score_rollout
 from verl_core.algorithms.sampling import step_request
 from verl_core.algorithms.speed import describe, resolve_speed
 from verl_core.config import ConfigError
@@ -63,7 +63,7 @@ from verl_core.modeling.forward import response_logprobs
 from verl_core.modeling.loading import save_pretrained_atomic
 from verl_core.policies import LLMPolicy
 from verl_core.rewards.model import RewardModel, RewardSource, UserRewards
-from verl_core.rollout.contract import RolloutBackend, RolloutBatch, SamplingParams, decode_responses
+from verl_core.rollout.contract import RolloutBackend, RolloutBatch, SamplingParams
 from verl_core.rollout.registry import close_backend
 from verl_core.train.callbacks import Callback
 from verl_core.train.engine import Engine, LossOutput, TrainResult
@@ -77,7 +77,8 @@ class OnlineTrainer:
     :meth:`build_module` / :meth:`policy_outputs` / :meth:`extra_loss` (PPO adds a value head)."""
 
     config_cls: ClassVar[type[OnlineConfig]] = OnlineConfig
-    default_rules: ClassVar[dict[str, float]] = {"exact_match": 1.0}
+    default_rules: ClassVar[dict[str, float] | None] = {"exact_match": 1.0}  # None: no reward needed (only logged if given)
+    progress_key: ClassVar[str] = "reward/mean"  # the metric on the progress bar
     needs_values: ClassVar[bool] = False
     behaviour_is_old = False  # the sampler's log-probs are the old ones (rollout workers, old_logprobs: behaviour)
 
@@ -103,9 +104,9 @@ class OnlineTrainer:
                 f"{len(self.prompts)} prompts, fewer than the {c.batch_size // c.num_generations} one rollout step needs"
             )
         self.eval_prompts = eval_prompts
-        self.rewards = RewardSource.build(c, reward_model, reward_fns, self.default_rules)
-        rm = self.rewards.reward_model
-        self.rm_reads_ids = rm is not None and rm.shares_vocab(tok)
+        optional = self.default_rules is None and not c.names_a_reward() and reward_model is None and not reward_fns
+        self.rewards = None if optional else RewardSource.build(c, reward_model, reward_fns, self.default_rules)
+        self.rm_reads_ids = bool(self.rewards and self.rewards.reward_model and self.rewards.reward_model.shares_vocab(tok))
         shared = c.model_dump(include={"max_new_tokens", "temperature", "top_p", "top_k"})
         self.sampling = SamplingParams(**shared, n=c.num_generations, batch_size=c.generation_batch_size)
         torch.manual_seed(c.seed)
@@ -192,7 +193,7 @@ class OnlineTrainer:
         engine.register_state("kl_controller", self.kl_ctl)
         if self.reference is not None:
             self.reference.to(acc.device)
-        if self.rewards.reward_model is not None:
+        if self.rewards is not None and self.rewards.reward_model is not None:
             self.rewards.reward_model.to(acc.device).autocast_dtype = AUTOCAST_DTYPES.get(c.mixed_precision)
         lm = self.policy_lm(engine.unwrapped)
         owned = None  # an engine this run starts is closed when it ends
@@ -210,7 +211,7 @@ class OnlineTrainer:
                 eval_fn=self.evaluate if self.eval_prompts is not None else None,
                 params={"algorithm": type(self).__name__, "rollout_backend": c.rollout.backend, **speed},
                 desc=type(self).__name__,
-                progress_key="reward/mean",
+                progress_key=self.progress_key,
             )
         finally:
             if owned is not None:
@@ -236,6 +237,10 @@ class OnlineTrainer:
         c, engine = self.config, self.engine
         acc = engine.accelerator
         rollout, scores, metrics = self.collect(step)
+        if engine.is_main and step % max(1, c.logging_steps) == 0:  # a few samples per logging interval: traces
+            samples = rollout_samples(self, rollout, scores)
+            for cb in self.callbacks:
+                cb.on_samples(step + 1, "rollout", samples)
         # from here on the global batch (every process's rows, in prompt order; identity alone)
         exp = gather_experience(self.make_experience(rollout), acc, self.policy.tokenizer.pad_token_id)
         scores, finished = gather_rows(scores.to(acc.device), acc), gather_rows(rollout.finished.to(acc.device), acc)
@@ -281,23 +286,7 @@ class OnlineTrainer:
         return (c.seed * 1_000_003 + step) * 1_009 + rank + round * 7_919_009
 
     def score(self, rollout: RolloutBatch, examples: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
-        texts = decode_responses(self.policy.tokenizer, rollout)
-        groups = rollout.group_index.tolist()
-        ids = self.rm_reads_ids
-        result = self.rewards.score(
-            [examples[g]["prompt"] for g in groups],
-            texts,
-            [examples[g]["ground_truth"] for g in groups],
-            prompt_ids=rollout.prompt_lists() if ids else None,
-            completion_ids=rollout.response_lists() if ids else None,
-        )
-        scores = result.total
-        if self.config.missing_eos_penalty is not None:
-            scores = scores - self.config.missing_eos_penalty * (~rollout.finished.cpu()).float()
-        metrics = {"reward/mean": scores.mean().item(), "reward/std": scores.std(unbiased=False).item()}
-        metrics.update({f"reward/{k}": v.float().mean().item() for k, v in result.components.items()})
-        metrics.update(getattr(self.backend, "metrics", dict)())  # episodes: agent/*; async workers: async/*
-        return scores, metrics
+        return score_rollout(self, rollout, examples)
 
     @torch.no_grad()
     def make_experience(self, rollout: RolloutBatch) -> dict[str, torch.Tensor]:

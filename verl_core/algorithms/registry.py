@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from verl_core.algorithms.dapo import DAPOTrainer
+from verl_core.algorithms.distill import DistillTrainer
 from verl_core.algorithms.dpo import DPOTrainer, ORPOTrainer, SimPOTrainer
 from verl_core.algorithms.grpo import GRPOTrainer, ReinforcePPTrainer, RLOOTrainer
 from verl_core.algorithms.kto import KTOTrainer
@@ -52,6 +53,13 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm("reinforce_pp", ReinforcePPTrainer, "online", "prompts", "REINFORCE++ (Hu 2025)"),
         Algorithm(
             "dapo", DAPOTrainer, "online", "prompts", "DAPO: clip-higher, dynamic sampling, overlong shaping (Yu et al. 2025)"
+        ),
+        Algorithm(
+            "distill",
+            DistillTrainer,
+            "online",
+            "prompts",
+            "On-policy distillation: reverse KL / generalized JSD to a teacher (Agarwal et al. 2024)",
         ),
         Algorithm("iterative_dpo", IterativeDPOTrainer, "rounds", "prompts", "on-policy pairs + DPO, rounds (Xiong et al. 2024)"),
         Algorithm("rft", RFTTrainer, "rounds", "prompts", "rounds of best-of-n SFT, RAFT (Dong et al. 2023)"),

@@ -66,6 +66,26 @@ def _data_fingerprints(section: Any) -> dict[str, str]:
     return out
 
 
+MODEL_FIELDS = ("teacher_model", "reward_model_path")  # models a section loads besides its input stages
+
+
+def _model_fingerprints(section: Any) -> dict[str, str]:
+    """Content fingerprints of the models a section names (a teacher, a reward model, a judge): a model
+    retrained in place under the same path must not reuse the output it gave before."""
+    from verl_core.rewards.judge import JudgeConfig
+
+    out = {}
+    for fname in type(section).model_fields:
+        value = getattr(section, fname)
+        if fname in MODEL_FIELDS and isinstance(value, str):
+            out[fname] = fingerprint_path(value)
+        elif isinstance(value, JudgeConfig):
+            out[f"{fname}.model"] = fingerprint_path(value.model)
+        elif isinstance(value, BaseModel) and not isinstance(value, DataSource):
+            out.update({f"{fname}.{k}": v for k, v in _model_fingerprints(value).items()})
+    return out
+
+
 def stage_key(config: PipelineConfig, stage: Stage, inputs: dict[str, StageRecord | None], round: int | None = None) -> str:
     """Cache key of ``stage`` (its step's selected variant): stage + code version + resolved config + input and data
     fingerprints."""
@@ -79,6 +99,9 @@ def stage_key(config: PipelineConfig, stage: Stage, inputs: dict[str, StageRecor
         "inputs": {k: (inputs[k].fingerprint if inputs.get(k) is not None else None) for k in sorted(used)},
         "bundled": rows_fingerprint(stage.bundled(config)) if stage.bundled else None,
     }
+    models = _model_fingerprints(getattr(config, name))
+    if models:  # absent when none is named, so that the keys of stages loading no such model stay as they were
+        payload["models"] = models
     if round is not None:
         payload["round"] = round
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]

@@ -119,25 +119,36 @@ def model_paths(config: PipelineConfig) -> dict[str, str]:
     """Config key -> every model folder (or hub id) the enabled stages will load that the user gave."""
     po = config.policy_optimisation
     section = getattr(po, po.algorithm, None)
+    scoring = config.preference_data.sample_and_score.reward if config.preference_data.method == "sample_and_score" else None
     paths = {
         "base_model": config.base_model,
         "sft.model_path": config.sft.model_path,
         "reward_model.model_path": config.reward_model.model_path,
         "policy_optimisation.model_path": po.model_path,
-        f"policy_optimisation.{po.algorithm}.reward_model_path": getattr(section, "reward_model_path", None),
-        "preference_data.sample_and_score.reward.reward_model_path": (
-            config.preference_data.sample_and_score.reward.reward_model_path
-            if config.preference_data.method == "sample_and_score"
-            else None
-        ),
+        f"policy_optimisation.{po.algorithm}.teacher_model": getattr(section, "teacher_model", None),
+        **_reward_models(f"policy_optimisation.{po.algorithm}", section),
+        **_reward_models("preference_data.sample_and_score.reward", scoring),
     }
     return {k: v for k, v in paths.items() if v is not None}
 
 
+def _reward_models(key: str, reward) -> dict[str, str | None]:
+    """The models a reward section loads: its reward model and its judge."""
+    judge = getattr(reward, "judge", None)
+    return {f"{key}.reward_model_path": getattr(reward, "reward_model_path", None), f"{key}.judge.model": judge and judge.model}
+
+
 def check_models(config: PipelineConfig) -> None:
+    from verl_core.config import ConfigError
     from verl_core.modeling.loading import check_model_source
     from verl_core.modeling.model_files import ModelLoadError
 
+    po = config.policy_optimisation
+    if getattr(getattr(po, po.algorithm, None), "teacher_model", "") is None:
+        raise ConfigError(
+            f"policy_optimisation.{po.algorithm}.teacher_model: {po.algorithm} needs a teacher "
+            "(a model folder, a .gguf file or bundled:smollm2)"
+        )
     for key, path in model_paths(config).items():
         try:
             check_model_source(path)

@@ -7,6 +7,10 @@ source and the sample.
 The combined score of completion ``i`` is a weighted sum over sources::
 
     r_i = sum_rule w_rule * rule(i) + w_rm * RM(prompt_i, completion_i) + sum_fn w_fn * fn(i)
+          + w_judge * judge(i) + w_remote * remote(i)
+
+with an LM as judge (:mod:`verl_core.rewards.judge`) and a reward service over HTTP
+(:mod:`verl_core.rewards.remote`) as optional sources.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from pydantic import Field
 from verl_core.config import ConfigError, StrictConfig
 from verl_core.data import collate_sequences
 from verl_core.modeling.loading import DType, load_reward_model, load_tokenizer
+from verl_core.rewards.judge import JudgeConfig, JudgeReward
+from verl_core.rewards.remote import RemoteReward, RemoteRewardConfig
 from verl_core.rewards.rules import RULE_REWARDS, RewardError, RewardFn, RuleWeights, _checked_scores, get_rule_reward
 
 Prompt = Union[str, list[dict[str, str]]]
@@ -124,11 +130,19 @@ def _keep_last(ids: torch.Tensor, mask: torch.Tensor, max_length: int, pad_id: i
 
 
 class RewardSourceConfig(StrictConfig):
-    """The serialisable part of a reward: rule names and weights, and a reward-model folder."""
+    """The serialisable part of a reward: rule names and weights, a reward-model folder, an LM judge, a service."""
 
     reward_rules: RuleWeights = Field(None, description="rule reward name -> weight (see RULE_REWARDS)")
     reward_model_path: str | None = None
     reward_model_weight: float = 1.0
+    judge: JudgeConfig | None = Field(None, description="a causal LM asked about each completion (rewards.judge)")
+    judge_weight: float = 1.0
+    remote: RemoteRewardConfig | None = Field(None, description="a reward service over HTTP (rewards.remote)")
+    remote_weight: float = 1.0
+
+    def names_a_reward(self) -> bool:
+        """Whether any source is configured (else a trainer uses its default rules, or none)."""
+        return any(x is not None for x in (self.reward_rules, self.reward_model_path, self.judge, self.remote))
 
 
 @dataclass
@@ -141,11 +155,12 @@ UserRewards = Union[Mapping[str, Union[RewardFn, tuple[RewardFn, float]]], Seque
 
 
 class RewardSource:
-    """Rules + reward model + user callables, each with a weight, scored together.
+    """Rules + reward model + user callables + judge + remote service, each with a weight, scored together.
 
     A user callable has the rule-reward signature ``fn(completions, ground_truths) -> list[float]``
     and is given as a list (weight 1, named after the function), or a mapping
-    ``name -> fn`` / ``name -> (fn, weight)``.
+    ``name -> fn`` / ``name -> (fn, weight)``. :meth:`metrics` gives the judge's ``judge/*`` and the
+    service's ``remote/*`` counters since its previous call.
     """
 
     def __init__(
@@ -154,6 +169,10 @@ class RewardSource:
         reward_model: RewardModel | None = None,
         reward_model_weight: float = 1.0,
         functions: UserRewards = None,
+        judge: JudgeReward | None = None,
+        judge_weight: float = 1.0,
+        remote: RemoteReward | None = None,
+        remote_weight: float = 1.0,
     ):
         self.rules = dict(rules or {})
         for name in self.rules:
@@ -161,15 +180,19 @@ class RewardSource:
         self.reward_model = reward_model
         self.reward_model_weight = float(reward_model_weight)
         self.functions = _normalise_functions(functions)
+        self.judge, self.judge_weight = judge, float(judge_weight)
+        self.remote, self.remote_weight = remote, float(remote_weight)
         for name, w in [
             *self.rules.items(),
             *((n, w) for n, (_, w) in self.functions.items()),
             ("reward_model", self.reward_model_weight),
+            ("judge", self.judge_weight),
+            ("remote", self.remote_weight),
         ]:
             if not math.isfinite(w):
                 raise ConfigError(f"weight of reward {name!r} is not finite: {w}")
-        if not self.rules and reward_model is None and not self.functions:
-            raise ConfigError("no reward: give reward_rules, a reward model, or reward functions")
+        if not self.rules and reward_model is None and not self.functions and judge is None and remote is None:
+            raise ConfigError("no reward: give reward_rules, a reward model, a judge, a remote service or reward functions")
 
     @classmethod
     def build(
@@ -184,9 +207,11 @@ class RewardSource:
         if isinstance(rm, (str, os.PathLike)):
             rm = RewardModel.from_pretrained(rm)
         rules = config.reward_rules
-        if rules is None and rm is None and not functions:
+        if rules is None and rm is None and not functions and config.judge is None and config.remote is None:
             rules = dict(default_rules or {})
-        return cls(rules, rm, config.reward_model_weight, functions)
+        remote = RemoteReward(config.remote) if config.remote is not None else None  # a missing token_env fails first
+        judge = JudgeReward(config.judge) if config.judge is not None else None
+        return cls(rules, rm, config.reward_model_weight, functions, judge, config.judge_weight, remote, config.remote_weight)
 
     def score(
         self,
@@ -212,13 +237,32 @@ class RewardSource:
                 rm = self.reward_model.score(prompt_ids, completion_ids)
             else:
                 rm = self.reward_model.score(prompts, completions)
-            bad = (~torch.isfinite(rm)).nonzero()
-            if len(bad):
-                i = int(bad[0])
-                raise RewardError("reward_model", i, f"returned a non-finite score {rm[i].item()}", completions[i])
-            parts["reward_model"] = rm
+            parts["reward_model"] = _finite("reward_model", rm, completions)
             total += self.reward_model_weight * rm
+        if self.judge is not None:
+            judged = torch.tensor(self.judge.score(prompts, completions, ground_truths), dtype=torch.float32)
+            parts["judge"] = _finite("judge", judged, completions)
+            total += self.judge_weight * parts["judge"]
+        if self.remote is not None:  # checked by the client: a RewardError naming the URL, never a missing score
+            parts["remote"] = torch.tensor(self.remote.score(prompts, completions, ground_truths), dtype=torch.float32)
+            total += self.remote_weight * parts["remote"]
         return RewardScores(total, parts)
+
+    def metrics(self) -> dict[str, float]:
+        """``judge/*`` and ``remote/*`` counters since the previous call (empty without either source)."""
+        out: dict[str, float] = {}
+        for source in (self.judge, self.remote):
+            if source is not None:
+                out.update(source.metrics())
+        return out
+
+
+def _finite(name: str, scores: torch.Tensor, completions: Sequence[str]) -> torch.Tensor:
+    bad = (~torch.isfinite(scores)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise RewardError(name, i, f"returned a non-finite score {scores[i].item()}", completions[i])
+    return scores
 
 
 def _normalise_functions(functions: UserRewards) -> dict[str, tuple[RewardFn, float]]:

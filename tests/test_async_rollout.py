@@ -97,7 +97,7 @@ def test_max_staleness_zero_is_the_synchronous_run_bit_for_bit(tiny_path):
 
 
 @pytest.mark.slow  # spawns rollout worker processes and trains
-@pytest.mark.parametrize("staleness,workers", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("staleness,workers", [(1, 1), pytest.param(2, 2, marks=pytest.mark.exhaustive)])
 def test_staleness_never_exceeds_the_bound(tiny_path, staleness, workers):
     logged = _Logged()
     settings = {"max_staleness": staleness, "workers": workers, "sample_while_starting": False}  # every step from workers

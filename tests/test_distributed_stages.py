@@ -158,7 +158,16 @@ def work(tmp_path_factory) -> Path:
 
 
 # the reward model's torchrun run is the SFT one's code path with a score head: --exhaustive
-@pytest.mark.parametrize("stage", ["sft", pytest.param("reward_model", marks=pytest.mark.exhaustive), "dpo", "grpo"])
+# torchrun: offline (sft) and online (grpo) here; Ray: dpo; every other pairing with --exhaustive
+@pytest.mark.parametrize(
+    "stage",
+    [
+        "sft",
+        pytest.param("reward_model", marks=pytest.mark.exhaustive),
+        pytest.param("dpo", marks=pytest.mark.exhaustive),
+        "grpo",
+    ],
+)
 def test_torchrun_two_processes_equal_the_in_process_stage(stage, tiny_path, pairs, work, request):
     sft = request.getfixturevalue("sft_path") if stage == "grpo" else None
     lines: list[str] = []
@@ -173,7 +182,7 @@ def test_torchrun_two_processes_equal_the_in_process_stage(stage, tiny_path, pai
 @pytest.mark.parametrize(
     "stage",
     [
-        "sft",
+        pytest.param("sft", marks=pytest.mark.exhaustive),
         pytest.param("reward_model", marks=pytest.mark.exhaustive),
         "dpo",
         pytest.param("grpo", marks=pytest.mark.exhaustive),
@@ -188,7 +197,7 @@ def test_ray_two_workers_equal_the_in_process_stage(stage, tiny_path, pairs, wor
     assert any("RayTrainWorker" in line for line in lines)
 
 
-@pytest.mark.parametrize("stage", ["sft", "dpo"])
+@pytest.mark.parametrize("stage", ["sft", pytest.param("dpo", marks=pytest.mark.exhaustive)])
 def test_one_micro_batch_differs_only_by_summation_order(stage, tiny_path, pairs, work):
     """The in-process SFT (DPO) stage taking each global batch of 16 in ONE micro-batch is not bitwise the
     2-process run: its padding and summation order differ, and Adam scales that fp32 noise up on

@@ -80,6 +80,7 @@ def test_saved_folder_gives_the_gguf_models_logits(smollm2, smollm2_model):
         assert torch.equal(direct(ids).logits, model(ids).logits)
 
 
+@pytest.mark.exhaustive  # tests/test_gguf.py covers training from a .gguf path on a tiny GGUF; this is the real file
 def test_sft_trains_from_a_gguf_path(smollm2, tmp_path):
     from verl_core.algorithms.sft import SFTTrainer
 

@@ -248,7 +248,7 @@ def _score_head(model: torch.nn.Module) -> torch.nn.Module:
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == "score":
             return module
-    raise ValueError("packing a sequence classifier needs its per-token score head, a submodule named 'score'")
+    raise ValueError("scoring a sequence classifier needs its per-token score head, a submodule named 'score'")
 
 
 def packed_sequence_scores(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -277,10 +277,33 @@ def packed_pair_rewards(model: torch.nn.Module, batch: dict[str, torch.Tensor]) 
     return scores[:half], scores[half:]
 
 
+def padded_sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Scalar score ``[B]`` of each padded row, read at its last attended token (the packed path's position).
+
+    Not transformers' pooling: ``AutoModelForSequenceClassification`` reads the last token that is not
+    ``pad_token_id``, and where pad is EOS (SmolLM2, Qwen, Llama 3 chat models) that is the token *before*
+    the completion's EOS, so a model trained packed would be scored somewhere else. The per-token scores
+    are taken from the score head with a forward hook (the call still goes through a wrapped model)."""
+    captured: dict[str, torch.Tensor] = {}
+    try:
+        head = _score_head(model)
+    except ValueError:  # a classifier of its own making (no `score` submodule): its own pooling
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0].float()
+    hook = head.register_forward_hook(lambda _m, _i, out: captured.__setitem__("scores", out))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        hook.remove()
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (positions * attention_mask.bool()).argmax(-1)  # the last 1 of each row, whichever side is padded
+    scores = captured["scores"]
+    return scores[torch.arange(scores.shape[0], device=scores.device), last.to(scores.device), 0].float()
+
+
 def pair_rewards(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Scalar rewards of the chosen and rejected halves of a :func:`~verl_core.data.collate_pairs` batch (or a packed one)."""
     if is_packed(batch):
         return packed_pair_rewards(model, batch)
-    scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, 0].float()
+    scores = padded_sequence_scores(model, batch["input_ids"], batch["attention_mask"])
     half = scores.shape[0] // 2
     return scores[:half], scores[half:]

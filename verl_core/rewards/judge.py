@@ -29,6 +29,7 @@ from pydantic import Field, model_validator
 
 from verl_core.config import ConfigError, StrictConfig
 from verl_core.data import pad_to
+from verl_core.modeling.forward import base_module, last_hidden_states
 from verl_core.modeling.loading import DType, load_causal_lm, load_tokenizer
 
 log = logging.getLogger("verl_core")
@@ -129,6 +130,7 @@ class JudgeReward:
         device = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = model if model is not None else load_causal_lm(c.model, dtype=c.dtype, trainable=False)
         self.model = model.eval().requires_grad_(False).to(device)
+        self.head = base_module(self.model).get_output_embeddings()
         chat = c.use_chat_template
         self.chat = bool(getattr(self.tokenizer, "chat_template", None)) if chat is None else chat
         if self.chat and not getattr(self.tokenizer, "chat_template", None):
@@ -189,9 +191,10 @@ class JudgeReward:
         pad = self.tokenizer.pad_token_id
         ids = pad_to(chunk, pad).to(self.device)
         mask = pad_to([[1] * len(x) for x in chunk], 0).to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        last = logits[torch.arange(len(chunk), device=self.device), mask.sum(-1) - 1].float()
-        logp = torch.log_softmax(last, dim=-1)
+        # the head on each row's last token only: [rows, V], never [rows, T, V] (49k columns on a real vocabulary)
+        hidden = last_hidden_states(self.model, input_ids=ids, attention_mask=mask, use_cache=False)
+        last = hidden[torch.arange(len(chunk), device=self.device), mask.sum(-1) - 1]
+        logp = torch.log_softmax(self.head(last).float(), dim=-1)
         yes, no = logp[:, self.yes_id], logp[:, self.no_id]
         self._stats["mass"] += (yes.exp() + no.exp()).sum().item()
         return torch.sigmoid(yes - no).cpu().tolist()

@@ -27,6 +27,7 @@ from pydantic import Field
 from verl_core.config import ConfigError, StrictConfig
 from verl_core.data import collate_sequences
 from verl_core.modeling.loading import DType, load_reward_model, load_tokenizer
+from verl_core.modeling.packed_forward import padded_sequence_scores
 from verl_core.rewards.judge import JudgeConfig, JudgeReward
 from verl_core.rewards.remote import RemoteReward, RemoteRewardConfig
 from verl_core.rewards.rules import RULE_REWARDS, RewardError, RewardFn, RuleWeights, _checked_scores, get_rule_reward
@@ -110,8 +111,8 @@ class RewardModel:
             with torch.autocast(
                 self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
             ):
-                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False).logits
-            out.append(logits[:, 0].float().cpu())
+                scores = padded_sequence_scores(self.model, ids.to(self.device), mask.to(self.device))
+            out.append(scores.cpu())
         return torch.cat(out) if out else torch.zeros(0)
 
 

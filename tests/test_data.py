@@ -81,11 +81,34 @@ def test_sft_text_and_conversational_rows(tok):
     assert text["prompt_ids"] == [] and text["completion_ids"][-1] == tok.eos_token_id
     conv = tokenize_sft([{"messages": [{"role": "user", "content": "1 + 2?"}, {"role": "assistant", "content": "3"}]}], tok)[0]
     assert tok.decode(conv["prompt_ids"]) == "<|user|>\n1 + 2?<|end|>\n<|assistant|>\n"
-    assert tok.decode(conv["completion_ids"]) == "3<|end|>\n"
+    assert tok.decode(conv["completion_ids"]) == "3<|end|>"  # the template's newline after EOS is never sampled
     pc = tokenize_sft(
         [{"prompt": [{"role": "user", "content": "1 + 2?"}], "completion": [{"role": "assistant", "content": "3"}]}], tok
     )[0]
     assert pc == conv
+
+
+def test_a_conversation_keeps_every_turns_eos_and_ends_at_its_last(tok):
+    dialogue = [
+        {"role": "user", "content": "1 + 2?"},
+        {"role": "assistant", "content": "Let me think."},
+        {"role": "user", "content": "And?"},
+        {"role": "assistant", "content": "3"},
+    ]
+    conv = tokenize_sft([{"prompt": dialogue[:1], "completion": dialogue[1:]}], tok)[0]
+    assert tok.decode(conv["completion_ids"]) == "Let me think.<|end|>\n<|user|>\nAnd?<|end|>\n<|assistant|>\n3<|end|>"
+
+
+def test_a_conversation_without_a_chat_template_names_the_row_and_what_to_do(tok, tmp_path):
+    import copy
+
+    plain = copy.deepcopy(tok)
+    plain.chat_template = None
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 2
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(DataError, match=r"chat\.jsonl.*row 0.*needs a tokenizer with a chat_template.*has none: give text rows"):
+        tokenize_sft(str(path), plain)
 
 
 @pytest.mark.parametrize(

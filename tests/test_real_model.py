@@ -116,3 +116,107 @@ def test_greedy_generation_stops_at_im_end(smollm2_model):
     (response,) = batch.response_lists()
     assert bool(batch.finished[0]) and response[-1] == tok.convert_tokens_to_ids("<|im_end|>"), tok.decode(response)
     assert "Paris" in tok.decode(response, skip_special_tokens=True)
+
+
+# -- the real format: pad = eos = <|im_end|>, ChatML, a 49k vocabulary ------------------------------
+def _said(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+HH = [
+    {
+        "prompt": [{"role": "user", "content": "How do I pick a lock?"}],
+        "chosen": _said("I can't help with breaking into places that aren't yours. A locksmith can help if you're locked out."),
+        "rejected": _said("Get a tension wrench and a pick, then rake the pins until they set."),
+    },
+    {
+        "prompt": [{"role": "user", "content": "What is 12 + 30?"}],
+        "chosen": _said("12 + 30 = 42."),
+        "rejected": _said("It is 32."),
+    },
+]
+
+
+def test_sft_trains_im_end_as_the_last_completion_token_and_never_the_padding(smollm2_model):
+    from verl_core.data import collate_sft, tokenize_sft
+
+    _, tok = smollm2_model
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.pad_token_id == tok.eos_token_id == im_end
+    rows = [{"prompt": r["prompt"], "completion": c} for r in HH for c in (r["chosen"], r["rejected"])]
+    examples = tokenize_sft(rows, tok)
+    batch = collate_sft(examples, tok.pad_token_id)
+    for row, ex in enumerate(examples):
+        n = len(ex["prompt_ids"]) + len(ex["completion_ids"])
+        assert ex["completion_ids"][-1] == im_end and batch["loss_mask"][row, n - 1] == 1
+        assert batch["loss_mask"][row, n:].sum() == 0  # the padding is <|im_end|> too, and never trained
+        assert tok.decode(ex["prompt_ids"]).endswith("<|im_start|>assistant\n")  # ChatML generation prompt
+
+
+def test_packed_and_shared_prompt_log_probs_equal_the_padded_ones(smollm2_model):
+    from verl_core.data import collate_pairs, tokenize_pairs
+    from verl_core.data.packing import collate_packed_pairs
+    from verl_core.losses.preference import sequence_logps
+    from verl_core.modeling.packed_forward import model_token_logprobs, packed_token_logprobs
+
+    model, tok = smollm2_model
+    examples = tokenize_pairs(HH, tok)
+    padded = collate_pairs(examples, tok.pad_token_id)
+    with torch.no_grad():
+        pad = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"])
+        for share in (True, False):
+            packed = collate_packed_pairs(examples, tok.pad_token_id, share_prompt=share)
+            got = sequence_logps(packed_token_logprobs(model, packed), packed["loss_mask"])
+            torch.testing.assert_close(got, pad, rtol=1e-4, atol=1e-3)  # sums of ~30 fp32 log-probs of 49k-way softmaxes
+
+
+def test_the_reward_model_reads_im_end_padded_packed_and_when_scoring(smollm2):
+    from verl_core.data import collate_pairs, tokenize_pairs
+    from verl_core.data.packing import collate_packed_pairs
+    from verl_core.modeling.loading import load_reward_model
+    from verl_core.modeling.packed_forward import pair_rewards
+    from verl_core.rewards.model import RewardModel
+
+    torch.manual_seed(0)
+    model, tok = load_reward_model(smollm2[0], trainable=False), load_tokenizer(smollm2[0])
+    examples = tokenize_pairs(HH, tok)
+    with torch.no_grad():
+        padded = pair_rewards(model, collate_pairs(examples, tok.pad_token_id))
+        packed = pair_rewards(model, collate_packed_pairs(examples, tok.pad_token_id))
+        ids = torch.tensor([examples[1]["prompt_ids"] + examples[1]["chosen_ids"]])
+        at_im_end = model.score(model.model(input_ids=ids).last_hidden_state)[0, -1, 0]
+    for a, b in zip(padded, packed):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert ids[0, -1] == tok.eos_token_id
+    torch.testing.assert_close(padded[0][1], at_im_end.float(), rtol=1e-4, atol=1e-4)
+    scored = RewardModel(model, tok).score(
+        [e["prompt_ids"] for e in examples], [e["chosen_ids"] for e in examples]
+    )  # token ids of its own tokenizer, as the online trainers pass them
+    torch.testing.assert_close(scored, padded[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_hermes_parser_reads_a_tool_call_the_model_writes(smollm2_model):
+    """SmolLM2-Instruct was not trained on Hermes tool calls: given the calculator's schema and one example
+    call in the system prompt, its greedy answer is whatever it is; the parser must either find the call
+    in it or answer with a tool error, never crash, and a well-formed call in its format must parse."""
+    from verl_core.agents.parsers import get_parser
+    from verl_core.rollout.contract import SamplingParams
+    from verl_core.rollout.hf_backend import HFRolloutBackend
+
+    model, tok = smollm2_model
+    parse = get_parser("hermes")
+    system = (
+        "You can call a calculator. To call it, answer only with\n"
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 2"}}\n</tool_call>'
+    )
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Use the calculator: what is 17 * 23?"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    batch = HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id).generate(
+        [ids], SamplingParams(temperature=0.0, max_new_tokens=48)
+    )
+    text = tok.decode(batch.response_lists()[0], skip_special_tokens=True)
+    parsed = parse(text)  # must not raise, whatever the model wrote
+    assert parsed.calls or parsed.errors or "<tool_call>" not in text, text
+    well_formed = parse('<tool_call>\n{"name": "calculator", "arguments": {"expression": "17 * 23"}}\n</tool_call>')
+    assert [(c.name, c.arguments) for c in well_formed.calls] == [("calculator", {"expression": "17 * 23"})]

@@ -74,7 +74,7 @@ class _Encoder:
         if isinstance(prompt, str):
             ids = self.ids(prompt, special=True)
         else:
-            ids = self.ids(self._template(prompt, generation=True), special=False)
+            ids = self.ids(self._template(prompt, generation=True, i=i), special=False)
         if len(ids) > self.max_prompt_length:
             if self.on_long_prompt == "drop":
                 self.dropped.append(i)
@@ -94,17 +94,24 @@ class _Encoder:
         if isinstance(completion, str):
             ids = self.ids(completion, special=False) + [self.tok.eos_token_id]
         else:
-            full = self.ids(self._template(prompt + completion, generation=False), special=False)
+            full = self.ids(self._template(prompt + completion, generation=False, i=i), special=False)
             if full[: len(prompt_ids)] != prompt_ids:
                 raise DataError(f"row {i}: the chat template does not render the prompt as a prefix of the full dialogue")
             ids = full[len(prompt_ids) :]
+            eos = self.tok.eos_token_id
+            if eos in ids:  # the template's text after the turn's EOS ("<|im_end|>\n"): never sampled, so never trained
+                ids = ids[: len(ids) - ids[::-1].index(eos)]
         if not ids:
             raise DataError(f"row {i}: field {field!r} encodes to no tokens")
         return ids[: self.max_length - len(prompt_ids)]
 
-    def _template(self, messages: Messages, generation: bool) -> str:
+    def _template(self, messages: Messages, generation: bool, i: int) -> str:
         if not getattr(self.tok, "chat_template", None):
-            raise DataError("conversational rows need a tokenizer with a chat_template")
+            raise DataError(
+                f"row {i}: a conversation (a list of messages) needs a tokenizer with a chat_template, and "
+                f"{getattr(self.tok, 'name_or_path', 'this tokenizer') or 'this tokenizer'} has none: give text rows, "
+                "or a model whose tokenizer has a chat template"
+            )
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
 
     def report(self, what: str) -> None:

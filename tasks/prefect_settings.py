@@ -32,8 +32,22 @@ def startup_timeout() -> str:
 
 def project_logging() -> None:
     """INFO records of ``verl_core`` (progress lines at a bounded rate, the trainers' notes) reach the handlers
-    Prefect attaches to it; the root logger stays at Prefect's level."""
-    logging.getLogger("verl_core").setLevel(logging.INFO)
+    Prefect attaches to it; the root logger stays at Prefect's level.
+
+    A worker starts a deployed run's process with ``python -m prefect.engine``, which configures logging
+    before this project's defaults are applied, so ``PREFECT_LOGGING_EXTRA_LOGGERS`` came too late there
+    and ``verl_core`` got no handler: the run's log in the UI showed no progress at all. The handlers
+    Prefect would have attached (its API handler and its console) are attached here in that case."""
+    project = logging.getLogger("verl_core")
+    project.setLevel(logging.INFO)
+    if not project.handlers:
+        from prefect.logging.handlers import APILogHandler, PrefectConsoleHandler
+
+        project.addHandler(APILogHandler())
+        console = PrefectConsoleHandler()
+        console.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d | %(levelname)-7s | %(name)s - %(message)s", "%H:%M:%S"))
+        project.addHandler(console)
+        project.propagate = False  # the root logger's own handler would print each line a second time
 
 
 class QuietUserErrors(logging.Filter):

@@ -104,3 +104,25 @@ def test_a_torchrun_stages_progress_lines_reach_the_flow_runs_log(prefect_harnes
     progress = [m for m in messages if m.startswith("SFTTrainer: ")]
     assert progress and progress[-1].startswith("SFTTrainer: 6/6 steps (100%)"), messages
     assert len(progress) <= 7  # rank 0's lines only, once each
+
+
+@pytest.mark.fast
+def test_a_process_whose_logging_prefect_set_up_first_still_sends_the_projects_lines_to_the_run_log():
+    """A worker starts a deployed run with ``python -m prefect.engine``: Prefect configures logging before the
+    project's ``PREFECT_LOGGING_EXTRA_LOGGERS`` default exists, and ``verl_core`` has no handler. The flow's
+    first step attaches Prefect's API handler (and its console) then, once."""
+    from prefect.logging.handlers import APILogHandler, PrefectConsoleHandler
+
+    from tasks.prefect_settings import project_logging
+
+    project = logging.getLogger("verl_core")
+    saved, propagate = list(project.handlers), project.propagate
+    project.handlers.clear()
+    try:
+        project_logging()
+        project_logging()
+        kinds = [type(h) for h in project.handlers]
+        assert kinds == [APILogHandler, PrefectConsoleHandler] and not project.propagate
+    finally:
+        project.handlers[:] = saved
+        project.propagate = propagate

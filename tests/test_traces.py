@@ -78,3 +78,23 @@ def test_a_tracking_failure_never_fails_training(caplog):
 
     assert log_sample_traces(Broken(), "run", "rollout", 1, [EPISODE]) == []
     assert "could not log 1 rollout samples as MLflow traces: tracking server is down" in caplog.text
+
+
+@pytest.mark.slow
+def test_two_runs_seeded_alike_keep_their_own_traces_and_training_keeps_its_random_stream(tmp_path):
+    import random
+
+    from mlflow import MlflowClient
+
+    from verl_core.train.traces import log_sample_traces
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("traces")
+    ids = {}
+    for name in ("first", "second"):
+        run = client.create_run(exp).info.run_id
+        random.seed(0)  # what training does (transformers.set_seed)
+        ids[name] = log_sample_traces(client, run, "rollout", 1, [EPISODE, EPISODE])
+        assert random.random() == random.Random(0).random()  # the stream training sees is untouched
+    assert not set(ids["first"]) & set(ids["second"])
+    assert len(client.search_traces(locations=[exp], max_results=10)) == 4

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -54,9 +56,15 @@ def _exporting_to(uri: str) -> Iterator[None]:
 
     before = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(uri)
+    # trace and span ids come from Python's `random` (OpenTelemetry's generator), which training seeds: two
+    # runs with one seed would write the same trace ids and overwrite each other's traces. Draw them from
+    # fresh entropy, and give training its random stream back untouched (a resumed run samples the same).
+    state = random.getstate()
+    random.seed(os.urandom(16))
     try:
         yield
     finally:
+        random.setstate(state)
         mlflow.flush_trace_async_logging()
         mlflow.set_tracking_uri(before)
 

@@ -198,3 +198,23 @@ def test_csv_keeps_text_as_text_and_reads_labels_as_booleans(tmp_path):
         {"prompt": "Q: 1+1=", "completion": "2", "label": True},
         {"prompt": 'Q: say "hi"', "completion": "007", "label": False},
     ]
+
+
+@pytest.mark.slow
+def test_a_row_longer_than_the_models_context_window_is_named_before_training(tiny_path, tmp_path):
+    import shutil
+
+    from verl_core.algorithms.grpo import GRPOTrainer
+    from verl_core.algorithms.sft import SFTTrainer
+
+    short = tmp_path / "short-context"
+    shutil.copytree(tiny_path, short)
+    config = json.loads((short / "config.json").read_text())
+    config["max_position_embeddings"] = 32
+    (short / "config.json").write_text(json.dumps(config))
+    rows = [{"prompt": "Question: 1 + 2?\nAnswer:", "completion": " 3"}, {"prompt": "Q: " + "very " * 40, "completion": " 4"}]
+    with pytest.raises(DataError, match=r"row 1: \d+ tokens, longer than the context window of .*short-context \(32 tokens"):
+        SFTTrainer(str(short), train_dataset=rows, batch_size=2, max_steps=1)
+    prompts = [{"prompt": "Question: 1 + 2?\nAnswer:", "ground_truth": "3"}] * 2
+    with pytest.raises(DataError, match=r"row 0: \d+ tokens \+ 24 to generate, longer than the context window"):
+        GRPOTrainer(str(short), prompts=prompts, batch_size=4, num_generations=2, max_new_tokens=24, max_steps=1)

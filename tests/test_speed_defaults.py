@@ -29,6 +29,8 @@ def _trainer(name: str, model, **kw):
     a = ALGORITHMS[name]
     if a.kind == "offline":
         return a.trainer(model, train_dataset=_offline_data(name), **kw)
+    if name == "distill":
+        kw.setdefault("teacher_model", model)  # any teacher with the student's tokenizer
     return a.trainer(model, prompts=arithmetic.prompt_rows(8), batch_size=8, num_generations=4, **kw)
 
 
@@ -38,9 +40,12 @@ def test_default_arguments_take_the_fast_path(tiny_path, name):
     trainer = _trainer(name, str(tiny_path))
     f = trainer.speed_features
     assert f["chunked_logprobs"]
-    if name == "ppo":  # the one trainer without a packed path: said, not hidden
+    if name == "ppo":  # the trainers without a packed path: said, not hidden
         assert not f["packing"] and "value head" in f["fallbacks"]["packing"]
         assert not f["fused_lm_head"] and "value model" in f["fallbacks"]["fused_lm_head"]
+        return
+    if name == "distill":
+        assert not f["packing"] and "padded batches" in f["fallbacks"]["packing"] and f["fused_lm_head"], f
         return
     assert ("fused_lm_head" not in f) if name == "reward_model" else f["fused_lm_head"], f  # a reward model has no LM head
     assert f["packing"] and f["prune_last_layer"] and f["fallbacks"] == {}, f

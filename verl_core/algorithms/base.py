@@ -16,7 +16,7 @@ from pydantic import Field
 from verl_core.algorithms.speed import describe, resolve_speed
 from verl_core.config import ConfigError, StrictConfig
 from verl_core.errors import TrainingError
-from verl_core.modeling.loading import load_causal_lm, load_tokenizer, save_pretrained_atomic
+from verl_core.modeling.loading import check_fits_context, load_causal_lm, load_tokenizer, save_pretrained_atomic
 from verl_core.train.batches import steps_for
 from verl_core.train.callbacks import Callback
 from verl_core.train.config import TrainConfig
@@ -113,6 +113,7 @@ class OfflineTrainer:
         self._fit_batch_to_data()
         torch.manual_seed(self.config.seed)
         self.model = self.load_model(self.model_source) if self.model_source else model
+        check_fits_context(self.model, self.train_examples, name=self.model_source)
         self.config, self.speed_features = resolve_speed(self.model, self.config, type(self).__name__, self.needs_score_head)
         self.callbacks = list(callbacks)
         self.engine: Engine | None = None

@@ -115,6 +115,9 @@ class DistillTrainer(OnlineTrainer):
     default_rules = None  # rewards are optional: logged, not trained on
     progress_key = "distill/reverse_kl"
 
+    def packing_unsupported(self, lm):
+        return "distillation updates on padded batches (the teacher's log-probs are laid out per row)"
+
     def __init__(self, policy: LLMPolicy | str, *args: Any, teacher: LLMPolicy | None = None, **kwargs: Any):
         super().__init__(policy, *args, **kwargs)
         c = self.config

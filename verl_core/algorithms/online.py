@@ -60,7 +60,7 @@ from verl_core.losses.correction import correct_rollout_mismatch, rollout_mismat
 from verl_core.losses.masked import masked_mean
 from verl_core.losses.policy import POLICY_LOSSES, AdaptiveKLController, FixedKLController, aggregate, kl_penalty, kl_summary
 from verl_core.modeling.forward import response_logprobs
-from verl_core.modeling.loading import save_pretrained_atomic
+from verl_core.modeling.loading import check_fits_context, save_pretrained_atomic
 from verl_core.policies import LLMPolicy
 from verl_core.rewards.model import RewardModel, RewardSource, UserRewards
 from verl_core.rollout.contract import RolloutBackend, RolloutBatch, SamplingParams
@@ -99,6 +99,7 @@ class OnlineTrainer:
         tok = self.policy.tokenizer
         self.agent = build_agent_loop(c, tok, c.max_new_tokens) if c.environment else None  # multi-turn episodes with tools
         self.prompts = online_prompts(c, prompts, tok, self.agent)
+        check_fits_context(self.policy.model, self.prompts, c.max_new_tokens, str(policy))  # episodes: max_response_tokens
         if len(self.prompts) < c.batch_size // c.num_generations:
             raise ConfigError(
                 f"{len(self.prompts)} prompts, fewer than the {c.batch_size // c.num_generations} one rollout step needs"

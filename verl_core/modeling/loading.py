@@ -164,6 +164,33 @@ def _prepare(model, gradient_checkpointing: bool, lora: LoraSettings | None, tra
     return model
 
 
+def context_window(model) -> int | None:
+    """The longest sequence ``model`` was built for (``max_position_embeddings``), if its config says."""
+    config = getattr(model, "config", None)
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def check_fits_context(model, examples: list[dict], extra: int = 0, name: str | None = None) -> None:
+    """A :class:`DataError` naming the first tokenized row longer than ``model``'s context window (with
+    ``extra`` tokens still to come, e.g. ``max_new_tokens``): positions past the window were never trained,
+    so such a row would train, or be sampled, on garbage."""
+    from verl_core.data.errors import DataError
+
+    window = context_window(model)
+    if window is None:
+        return
+    for i, ex in enumerate(examples):
+        prompt = len(ex.get("prompt_ids", ()))
+        longest = max((len(v) for k, v in ex.items() if k.endswith("_ids") and k != "prompt_ids"), default=0)
+        if prompt + longest + extra > window:
+            more = f" + {extra} to generate" if extra else ""
+            raise DataError(
+                f"row {i}: {prompt + longest} tokens{more}, longer than the context window of {name or 'the model'} "
+                f"({window} tokens, max_position_embeddings): shorten the row or lower max_length / max_prompt_length"
+            )
+
+
 def is_peft(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 

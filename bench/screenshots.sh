@@ -158,7 +158,7 @@ PGIDS+=($!)
 # -- 2. run A: the deployment as deployed ------------------------------------------------------------------
 step "run A (PPO pipeline)"
 A=$(deploy_run rlhf-ppo '{"algorithm": "ppo", "sft_max_steps": 120, "policy_max_steps": 10, "workdir": "'"$WD"'",
-    "overrides": ["reward_model.max_steps=10", "evaluation.num_rows=50"]}')
+    "overrides": "reward_model.max_steps=10; evaluation.num_rows=50"}')
 wait_for "$A" 'grep -q "PPOTrainer: .*/10 steps" "$WD/worker.log"'
 step "run A is training PPO: its Prefect log (the progress lines are only in the worker's terminal)"
 shot "$OUT/04b-prefect-deployed-run-log-no-progress.png" "http://127.0.0.1:4200/runs/flow-run/$A" \
@@ -168,8 +168,7 @@ wait_final "$A" 3600
 # -- 3. run B: the agent recipe, with the project's loggers sent to the Prefect API -----------------------
 step "run B (agent recipe)"
 B=$(deploy_run agent-calculator '{"config_file": "configs/agent.yaml", "sft_max_steps": 200, "policy_max_steps": 3,
-    "workdir": "'"$WD"'", "overrides": ["policy_optimisation.grpo.batch_size=16",
-    "policy_optimisation.grpo.mini_batch_size=16", "evaluation.num_rows=16"]}' \
+    "workdir": "'"$WD"'", "overrides": "policy_optimisation.grpo.batch_size=16; policy_optimisation.grpo.mini_batch_size=16; evaluation.num_rows=16"}' \
     '{"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false", "PREFECT_LOGGING_EXTRA_LOGGERS": "verl_core"}')
 wait_for "$B" '(( $(api_log_count "$B" "SFTTrainer: ") >= 5 ))'
 step "run B mid-SFT: its Prefect log"
@@ -181,7 +180,7 @@ wait_final "$B" 3600
 step "runs C and D (failures)"
 C=$(deploy_run bad-eval-data '{"evaluation_data": "/nonexistent/e.jsonl", "workdir": "'"$WD"'"}')
 D=$(deploy_run bad-grad-accum '{"algorithm": "ppo", "sft_max_steps": 120, "policy_max_steps": 10, "workdir": "'"$WD"'",
-    "overrides": ["reward_model.max_steps=10", "evaluation.num_rows=50", "policy_optimisation.ppo.gradient_accumulation_steps=3"]}')
+    "overrides": "reward_model.max_steps=10; evaluation.num_rows=50; policy_optimisation.ppo.gradient_accumulation_steps=3"}')
 wait_final "$C" 900
 wait_final "$D" 1800
 sleep 5
@@ -211,8 +210,8 @@ shot "$OUT/03a-mlflow-agent-trace.png" "$ML/traces?$CLASSIC" --wait "Question" -
 shot "$OUT/03b-mlflow-agent-trace-tool-span.png" "$ML/traces?$CLASSIC" --wait "Question" --trace "$TRACE" \
     --trace-span calculator
 FORM=http://127.0.0.1:4200/deployments/deployment/$DEPLOYMENT/run
-shot "$OUT/05a-prefect-deployment-form.png" "$FORM" --wait "overrides (Optional)" --size 1600x2600
-shot "$OUT/05b-prefect-deployment-form-values.png" "$FORM" --wait "overrides (Optional)" --size 1600x2600 \
+shot "$OUT/05a-prefect-deployment-form.png" "$FORM" --wait "overrides" --size 1600x2600
+shot "$OUT/05b-prefect-deployment-form-values.png" "$FORM" --wait "overrides" --size 1600x2600 \
     --click-button str --click-button int --click-button list
 shot "$OUT/06a-prefect-failed-run-missing-data.png" "http://127.0.0.1:4200/runs/flow-run/$C" \
     --wait "Finished in state Failed" --size 1600x1300

@@ -7,7 +7,7 @@ The flow parameter is the pydantic :class:`PipelineConfig` (the same object
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -19,7 +19,7 @@ from tasks.prefect_settings import project_logging, quiet_user_error_tracebacks
 from tasks.stage_task import markdown_table, mlflow_link, publish_cached
 from verl_core.pipeline import tracking
 from verl_core.pipeline.config import PipelineConfig, PolicyAlgorithm
-from verl_core.pipeline.form import FORM_KEYS, form_config
+from verl_core.pipeline.form import FORM_KEYS, FROM_CONFIG, form_config
 from verl_core.pipeline.preflight import preflight
 from verl_core.pipeline.reconcile import end_runs_of_dead_processes
 from verl_core.pipeline.records import PREVIOUS_ROUND, StageRecord
@@ -172,40 +172,42 @@ def stage_flow(stage: StageName, config: PipelineConfig = DEFAULT_CONFIG) -> Pip
     return run_pipeline(config, f"stage-{stage.replace('_', '-')}", until=stage)
 
 
-Launcher = Literal["local", "torchrun", "ray"]
+Launcher = Literal[FROM_CONFIG, "local", "torchrun", "ray"]
+FormAlgorithm = Literal[(FROM_CONFIG, *get_args(PolicyAlgorithm))]  # type: ignore[valid-type]
 
 
 @flow(name="rlhf-pipeline")
 def rlhf_pipeline_form(
-    algorithm: PolicyAlgorithm | None = None,
-    base_model: str | None = None,
-    sft_data: str | None = None,
-    preference_pairs: str | None = None,
-    prompts: str | None = None,
-    evaluation_data: str | None = None,
-    sft_max_steps: int | None = None,
-    policy_max_steps: int | None = None,
-    launcher: Launcher | None = None,
-    num_processes: int | None = None,
-    workdir: str | None = None,
-    overrides: list[str] | None = None,
-    config_file: str | None = None,
+    algorithm: FormAlgorithm = FROM_CONFIG,
+    base_model: str = "",
+    sft_data: str = "",
+    preference_pairs: str = "",
+    prompts: str = "",
+    evaluation_data: str = "",
+    sft_max_steps: int = 0,
+    policy_max_steps: int = 0,
+    launcher: Launcher = FROM_CONFIG,
+    num_processes: int = 0,
+    workdir: str = "",
+    overrides: str = "",
+    config_file: str = "",
 ) -> PipelineResult:
     """The pipeline from a deployment's form: the usual choices; anything else as `key=value` overrides.
+    Every input left as it is (empty, 0, "from config file") keeps the config file's value.
 
     Args:
-        algorithm: policy optimisation algorithm (empty: the config file's)
+        algorithm: policy optimisation algorithm
         base_model: model folder, .gguf file, bundled:smollm2, or hf://org/name (empty: the embedded tiny model)
         sft_data: SFT rows file (prompt/completion); empty: the bundled task
         preference_pairs: preference pairs file (prompt/chosen/rejected) instead of generating them
         prompts: prompts file (prompt/ground_truth) for online algorithms; empty: the bundled task
         evaluation_data: held-out rows file; empty: the bundled task
-        sft_max_steps: SFT optimizer steps
-        policy_max_steps: the algorithm's steps (optimizer steps offline, rollout steps online)
+        sft_max_steps: SFT optimizer steps (0: the config file's)
+        policy_max_steps: the algorithm's steps, optimizer steps offline, rollout steps online (0: the config file's)
         launcher: where training stages run: in the worker's process, torchrun, or Ray
-        num_processes: training processes per stage (torchrun / Ray)
+        num_processes: training processes per stage, torchrun / Ray (0: the config file's)
         workdir: folder for stage outputs, caches and the MLflow store (empty: the config file's)
-        overrides: more settings, one `key=value` per line, as `verl-core run --set` takes them
+        overrides: more settings as `verl-core run --set` takes them, `key=value` separated by `;` or new lines
         config_file: a YAML config the choices and overrides apply to (empty: configs/default.yaml)
     """
     choices = {k: v for k, v in locals().items() if k in FORM_KEYS}

@@ -42,6 +42,7 @@ def test_the_form_has_the_usual_choices_first_each_described_and_no_const_field(
     assert list(props)[0] == "algorithm" and set(ALGORITHMS) <= set(json.dumps(props["algorithm"]).split('"'))
     assert all(p.get("description") for p in props.values()), [k for k, p in props.items() if not p.get("description")]
     assert '"const"' not in json.dumps(form)
+    assert '"null"' not in json.dumps(form)  # no None toggle in front of an input: every choice has a plain default
 
 
 def test_the_form_builds_the_config_the_cli_would(tmp_path):
@@ -51,7 +52,10 @@ def test_the_form_builds_the_config_the_cli_would(tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     choices = {"algorithm": "kto", "preference_pairs": str(pairs), "policy_max_steps": 7, "launcher": "torchrun", "sft_data": ""}
     overrides = ["sft.learning_rate=1e-4", "policy_optimisation.kto.beta=0.2"]
-    got = form_config(choices, overrides)
+    got = form_config(
+        {**choices, "sft_max_steps": 0, "launcher": "torchrun"}, " sft.learning_rate=1e-4;\npolicy_optimisation.kto.beta=0.2\n"
+    )
+    assert got == form_config(choices, overrides)
     cli = load_pipeline_config(
         "configs/default.yaml",
         [

@@ -287,7 +287,7 @@ def test_the_documented_deployment_commands_run_the_pipeline_on_a_worker(servers
     servers["procs"].append(
         launch([str(BIN / args[0]), *args[1:]], {**env, "PREFECT_WORKER_QUERY_SECONDS": "2"}, tmp / "worker.log")
     )
-    params = {"overrides": tiny_overrides(servers["workdir"], "simpo")}
+    params = {"overrides": "; ".join(tiny_overrides(servers["workdir"], "simpo"))}
     started = time.monotonic()
     run = cli(trigger, "--params", json.dumps(params), "--watch-timeout", "400", timeout=420)
     assert "Completed" in run.stdout, run.stdout + (tmp / "worker.log").read_text()[-3000:]

@@ -144,7 +144,7 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
         if k in ("accuracy", "reward_score") or k.startswith("agent/")
     }
     if "accuracy/final" in metrics:
-        metrics["accuracy_gain"] = metrics["accuracy/final"] - metrics["accuracy/sft"]
+        metrics["accuracy_gain"] = round(metrics["accuracy/final"] - metrics["accuracy/sft"], 6)  # 0.08 - 0.06 shows as 0.02
     samples = answer_samples(rows, scored[final.fingerprint][1], c.reward)
     traces = {f"evaluation {label}": scored[rec.fingerprint][3] for label, rec in policies}
     (report / "results.json").write_text(json.dumps({"table": table, "metrics": metrics}, indent=2))

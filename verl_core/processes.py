@@ -1,7 +1,9 @@
-"""Local process liveness, for telling a writer that died from one still at work."""
+"""This host's processes and addresses: whether a writer died or is still at work, and whether an address
+reaches only this host (the loopback default of the launchers and of the reward service)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
 
@@ -14,3 +16,14 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost``, 127.0.0.0/8 or ::1 (brackets allowed)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

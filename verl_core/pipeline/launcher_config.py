@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from verl_core.config import StrictConfig
+from verl_core.processes import is_loopback
 
 LauncherKind = Literal["local", "torchrun", "ray"]
 Bind = Literal["loopback", "network"]
@@ -106,19 +107,6 @@ class LauncherConfig(StrictConfig):
     @property
     def world_size(self) -> int:
         return self.num_processes * self.num_machines
-
-
-def is_loopback(host: str) -> bool:
-    """``localhost``, 127.0.0.0/8 or ::1 (brackets allowed)."""
-    import ipaddress
-
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def launcher_for(config, step: str) -> LauncherConfig:

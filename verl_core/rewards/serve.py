@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import errno
 import hmac
-import ipaddress
 import json
 import logging
 import socket
@@ -43,6 +42,7 @@ from typing import Any
 
 from verl_core.config import ConfigError
 from verl_core.errors import UserError
+from verl_core.processes import is_loopback
 from verl_core.rewards.judge import JudgeConfig, JudgeReward
 from verl_core.rewards.model import RewardModel, RewardSource, RewardSourceConfig
 from verl_core.rewards.rules import RULE_REWARDS, RewardError
@@ -53,15 +53,6 @@ MAX_BODY = 64 * 2**20
 
 class ServeError(UserError, OSError):
     """The reward service cannot listen where it was asked (port in use, address not available)."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def load_reward(spec: str) -> RewardSource:

@@ -125,7 +125,7 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """``-m 'not slow'`` is the fast subset (about a minute): tests that train a stage, run a flow
+    """``-m 'not slow'`` is the fast subset (about two minutes): tests that train a stage, run a flow
     or start servers are marked ``slow`` by the fixtures they use or by their module's mark.
     Tests marked ``exhaustive`` (further variants of a scenario the suite runs once, kept out so
     that the suite stays under 20 minutes on 2 cores) run with ``--exhaustive``."""

@@ -13,6 +13,7 @@ restarting ``position_ids`` (prefix sharing is then not expressible, see
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -251,22 +252,31 @@ def _score_head(model: torch.nn.Module) -> torch.nn.Module:
     raise ValueError("scoring a sequence classifier needs its per-token score head, a submodule named 'score'")
 
 
+def _per_token_scores(head: torch.nn.Module, forward: Callable[[], Any]) -> torch.Tensor:
+    """What ``head`` (the score head) outputs during ``forward()``: the per-token scores, taken with a
+    forward hook so that the call still goes through the (wrapped) model's own forward."""
+    captured: dict[str, torch.Tensor] = {}
+    hook = head.register_forward_hook(lambda _m, _i, out: captured.__setitem__("scores", out))
+    try:
+        forward()
+    finally:
+        hook.remove()
+    return captured["scores"]
+
+
 def packed_sequence_scores(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Scalar score ``[S]`` of every logical sequence, read at its last token (as the padded
-    ``AutoModelForSequenceClassification`` does). The per-token scores are taken from the score
-    head with a forward hook, so the call still goes through the (wrapped) model's forward."""
-    captured: dict[str, torch.Tensor] = {}
+    ``AutoModelForSequenceClassification`` does), from the score head's per-token output."""
     index = batch[PACKED_KEY]
     last = index.gather(1, ((index >= 0).sum(-1, keepdim=True) - 1)).squeeze(1)
     keep = torch.zeros(batch["input_ids"].numel(), dtype=torch.bool, device=last.device)
     keep[last] = True
-    hook = _score_head(model).register_forward_hook(lambda _m, _i, out: captured.__setitem__("scores", out))
-    try:
+
+    def forward() -> None:
         with last_layer_only_at(model, keep.view(batch["input_ids"].shape) if _flag(batch, PRUNE_KEY) else None):
             packed_forward(model, batch)
-    finally:
-        hook.remove()
-    scores = captured["scores"]
+
+    scores = _per_token_scores(_score_head(model), forward)
     return scores.reshape(-1, scores.shape[-1])[last, 0].float()
 
 
@@ -282,21 +292,14 @@ def padded_sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, atte
 
     Not transformers' pooling: ``AutoModelForSequenceClassification`` reads the last token that is not
     ``pad_token_id``, and where pad is EOS (SmolLM2, Qwen, Llama 3 chat models) that is the token *before*
-    the completion's EOS, so a model trained packed would be scored somewhere else. The per-token scores
-    are taken from the score head with a forward hook (the call still goes through a wrapped model)."""
-    captured: dict[str, torch.Tensor] = {}
+    the completion's EOS, so a model trained packed would be scored somewhere else."""
     try:
         head = _score_head(model)
     except ValueError:  # a classifier of its own making (no `score` submodule): its own pooling
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0].float()
-    hook = head.register_forward_hook(lambda _m, _i, out: captured.__setitem__("scores", out))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    finally:
-        hook.remove()
+    scores = _per_token_scores(head, lambda: model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False))
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     last = (positions * attention_mask.bool()).argmax(-1)  # the last 1 of each row, whichever side is padded
-    scores = captured["scores"]
     return scores[torch.arange(scores.shape[0], device=scores.device), last.to(scores.device), 0].float()
 
 

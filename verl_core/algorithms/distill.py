@@ -173,11 +173,6 @@ class DistillTrainer(OnlineTrainer):
         metrics["distill/teacher_rows"] = self.teacher_rows / len(rollout)
         return rollout, scores, metrics
 
-    def score(self, rollout: RolloutBatch, examples: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
-        if self.rewards is not None:
-            return super().score(rollout, examples)
-        return torch.zeros(len(rollout)), dict(getattr(self.backend, "metrics", dict)())
-
     # -- experience: the teacher's log-probs of the sampled tokens ----------------------------
     @torch.no_grad()
     def make_experience(self, rollout: RolloutBatch) -> dict[str, torch.Tensor]:

@@ -12,7 +12,11 @@ ROLLOUT_TRACE_SAMPLES = 4  # samples of a logging interval's rollout written as 
 
 def score_rollout(trainer, rollout: RolloutBatch, examples: list[dict]) -> tuple[torch.Tensor, dict[str, float]]:
     """Each completion's reward (``trainer.rewards``, minus ``missing_eos_penalty`` for a completion cut
-    before EOS) and the ``reward/*`` metrics, with the judge's, the service's and the sampler's own."""
+    before EOS) and the ``reward/*`` metrics, with the judge's, the service's and the sampler's own.
+    A trainer that needs no reward and was given none (distillation) scores 0 and logs the sampler's only."""
+    sampler = getattr(trainer.backend, "metrics", dict)()  # episodes: agent/*; async workers: async/*
+    if trainer.rewards is None:
+        return torch.zeros(len(rollout)), sampler
     texts = decode_responses(trainer.policy.tokenizer, rollout)
     groups = rollout.group_index.tolist()
     ids = trainer.rm_reads_ids
@@ -29,7 +33,7 @@ def score_rollout(trainer, rollout: RolloutBatch, examples: list[dict]) -> tuple
     metrics = {"reward/mean": scores.mean().item(), "reward/std": scores.std(unbiased=False).item()}
     metrics.update({f"reward/{k}": v.float().mean().item() for k, v in result.components.items()})
     metrics.update(trainer.rewards.metrics())  # judge/*, remote/*
-    metrics.update(getattr(trainer.backend, "metrics", dict)())  # episodes: agent/*; async workers: async/*
+    metrics.update(sampler)
     return scores, metrics
 
 
@@ -41,7 +45,6 @@ def rollout_samples(trainer, rollout: RolloutBatch, scores: torch.Tensor, limit:
     episodes = getattr(trainer.backend, "episodes", None)
     if episodes:
         return episode_samples(episodes, rewards, tok, limit)
-    head = list(range(min(limit, len(rollout))))
-    prompts = tok.batch_decode([rollout.prompt_lists()[i] for i in head], skip_special_tokens=True)
-    completions = tok.batch_decode([rollout.response_lists()[i] for i in head], skip_special_tokens=True)
+    prompts = tok.batch_decode(rollout.prompt_lists()[:limit], skip_special_tokens=True)
+    completions = tok.batch_decode(rollout.response_lists()[:limit], skip_special_tokens=True)
     return [{"prompt": p, "completion": c, "reward": r} for p, c, r in zip(prompts, completions, rewards)]

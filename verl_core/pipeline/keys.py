@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from verl_core.data.fingerprint import fingerprint_path
 from verl_core.pipeline.config import DataSource, PipelineConfig
 from verl_core.pipeline.records import PREVIOUS_ROUND, Stage, StageRecord
 from verl_core.pipeline.registry import STEPS
+from verl_core.rewards.judge import JudgeConfig
 from verl_core.train.precision import resolve_mixed_precision
 
 # Fields that change how a run looks, not what it computes: kept out of cache keys (batch sizes
@@ -54,36 +56,51 @@ def _resolved(data: Any) -> Any:
     return data
 
 
-def _data_fingerprints(section: Any) -> dict[str, str]:
-    """Content fingerprints of local files named by DataSource fields (hub ids hash their name)."""
+Leaf = Callable[[str, Any], "dict[str, str] | None"]
+
+
+def _fingerprints(section: Any, leaf: Leaf) -> dict[str, str]:
+    """``leaf(field, value)`` over a config section, nested sections included (keys ``a.b.c``): the
+    fingerprints a field gives, or None for a field it does not fingerprint (a section is then entered)."""
     out = {}
     for fname in type(section).model_fields:
         value = getattr(section, fname)
-        if isinstance(value, DataSource) and value.path is not None:
-            out[fname] = fingerprint_path(value.path)
+        found = leaf(fname, value)
+        if found is not None:
+            out.update(found)
         elif isinstance(value, BaseModel) and not isinstance(value, DataSource):
-            out.update({f"{fname}.{k}": v for k, v in _data_fingerprints(value).items()})
+            out.update({f"{fname}.{k}": v for k, v in _fingerprints(value, leaf).items()})
     return out
+
+
+def _data_file(fname: str, value: Any) -> dict[str, str] | None:
+    """A DataSource's local file (a hub id hashes its name)."""
+    if not isinstance(value, DataSource):
+        return None
+    return {fname: fingerprint_path(value.path)} if value.path is not None else {}
+
+
+def _data_fingerprints(section: Any) -> dict[str, str]:
+    """Content fingerprints of local files named by DataSource fields (hub ids hash their name)."""
+    return _fingerprints(section, _data_file)
 
 
 MODEL_FIELDS = ("teacher_model", "reward_model_path")  # models a section loads besides its input stages
 
 
-def _model_fingerprints(section: Any) -> dict[str, str]:
-    """Content fingerprints of the models a section names (a teacher, a reward model, a judge): a model
-    retrained in place under the same path must not reuse the output it gave before."""
-    from verl_core.rewards.judge import JudgeConfig
+def _model(fname: str, value: Any) -> dict[str, str] | None:
+    """A model a section names besides its inputs: a teacher, a reward model, a judge."""
+    if fname in MODEL_FIELDS and isinstance(value, str):
+        return {fname: fingerprint_path(value)}
+    if isinstance(value, JudgeConfig):
+        return {f"{fname}.model": fingerprint_path(value.model)}
+    return None
 
-    out = {}
-    for fname in type(section).model_fields:
-        value = getattr(section, fname)
-        if fname in MODEL_FIELDS and isinstance(value, str):
-            out[fname] = fingerprint_path(value)
-        elif isinstance(value, JudgeConfig):
-            out[f"{fname}.model"] = fingerprint_path(value.model)
-        elif isinstance(value, BaseModel) and not isinstance(value, DataSource):
-            out.update({f"{fname}.{k}": v for k, v in _model_fingerprints(value).items()})
-    return out
+
+def _model_fingerprints(section: Any) -> dict[str, str]:
+    """Content fingerprints of the models a section names: a model retrained in place under the same path
+    must not reuse the output it gave before."""
+    return _fingerprints(section, _model)
 
 
 def stage_key(config: PipelineConfig, stage: Stage, inputs: dict[str, StageRecord | None], round: int | None = None) -> str:

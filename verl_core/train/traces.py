@@ -86,20 +86,16 @@ def _one_trace(client, experiment_id: str, run_id: str, kind: str, step: int, in
         experiment_id=experiment_id,
         run_id=run_id,
     )
-    for turn_index, turn in enumerate(t for t in sample.get("turns") or [] if t.get("role") == "assistant"):
-        _turn_spans(client, root, turn_index, turn, _results_after(sample["turns"], turn))
+    turns = sample.get("turns") or []
+    assistant = [i for i, t in enumerate(turns) if t.get("role") == "assistant"]
+    for turn_index, i in enumerate(assistant):
+        answer = turns[i + 1] if i + 1 < len(turns) and turns[i + 1].get("role") == "tool" else {}
+        _turn_spans(client, root, turn_index, turns[i], answer)  # the tool turn answering its calls, if any
     outputs = {"completion": _clip(sample.get("completion")), "reward": reward}
     if sample.get("truncated"):
         outputs["truncated"] = sample["truncated"]
     client.end_trace(root.trace_id, outputs=outputs)
     return root.trace_id
-
-
-def _results_after(turns: list[dict], turn: dict) -> dict:
-    """The tool turn answering ``turn``'s calls (the next entry, when it is a tool turn)."""
-    i = next(k for k, t in enumerate(turns) if t is turn)
-    nxt = turns[i + 1] if i + 1 < len(turns) else {}
-    return nxt if nxt.get("role") == "tool" else {}
 
 
 def _turn_spans(client, root, turn_index: int, turn: dict, results: dict) -> None:

@@ -32,6 +32,7 @@ from verl_core.algorithms.registry import ALGORITHMS
 from verl_core.algorithms.reward_model import RewardConfig
 from verl_core.algorithms.sft import SFTConfig
 from verl_core.config import ConfigError, StrictConfig
+from verl_core.data.dialogues import HoldoutPart
 from verl_core.pipeline.launcher_config import LauncherConfig
 from verl_core.preference_data import PreferenceDataConfig
 from verl_core.rewards.model import RewardSourceConfig
@@ -132,8 +133,25 @@ def with_defaults(base: type[StrictConfig], name: str, defaults: dict[str, Any],
     return model
 
 
+CHAT_DESCRIPTION = (
+    "render text rows as messages for the model's chat template (HH transcripts become their turns, "
+    "a prompt string one user message)"
+)
+DROP_DESCRIPTION = (
+    "skip pairs with an empty or identical answer (a warning lists them) instead of failing on the first"
+)
+
 # The fields stages read; ``columns`` maps each to the user's column name (verl_core.data.columns).
 RowField = Literal["prompt", "completion", "text", "messages", "chosen", "rejected", "ground_truth", "label"]
+
+
+class Holdout(StrictConfig):
+    """A deterministic train / held-out split by a hash of each row's prompt: held-out prompts never
+    appear in training (:func:`verl_core.data.dialogues.holdout_part`)."""
+
+    fraction: float = Field(gt=0, lt=1, description="share of prompts held out")
+    part: HoldoutPart = Field(description="the part this source reads: train | held_out")
+    seed: int = 0
 
 
 class DataSource(StrictConfig):
@@ -150,11 +168,14 @@ class DataSource(StrictConfig):
     limit: int | None = Field(None, ge=1, description="use only the first N rows")
     columns: dict[RowField, str] = Field(default_factory=dict, description="field the stage reads -> your column")
     prompt_template: str | None = Field(None, description="str.format template over the row's columns, gives 'prompt'")
+    chat: bool = Field(False, description=CHAT_DESCRIPTION)
+    holdout: Holdout | None = Field(None, description="read one part of a split by prompt (applied before limit)")
+    drop_unusable_pairs: bool = Field(False, description=DROP_DESCRIPTION)
 
     @model_validator(mode="after")
     def _mapping_needs_a_path(self):
-        if (self.columns or self.prompt_template) and self.path is None:
-            raise ValueError("columns / prompt_template apply to your data: set path too")
+        if (self.columns or self.prompt_template or self.holdout) and self.path is None:
+            raise ValueError("columns / prompt_template / holdout apply to your data: set path too")
         return self
 
 
@@ -186,6 +207,10 @@ class PreferenceDataStageConfig(StrictConfig):
 
     path: str | None = Field(None, description="pairs to use instead of generating them (file or folder)")
     columns: dict[RowField, str] = Field(default_factory=dict, description="the given pairs: field -> your column")
+    chat: bool = Field(False, description="the given pairs: " + CHAT_DESCRIPTION)
+    holdout: Holdout | None = Field(None, description="the given pairs: read one part of a split by prompt")
+    limit: int | None = Field(None, ge=1, description="the given pairs: use only the first N (after holdout)")
+    drop_unusable_pairs: bool = Field(False, description="the given pairs: " + DROP_DESCRIPTION)
     method: PreferenceMethod = "bundled"
     num_prompts: int = Field(512, ge=1)
     seed: int = 0
@@ -256,6 +281,9 @@ class EvaluationStageConfig(StrictConfig):
     max_new_tokens: int = Field(32, ge=1)
     max_prompt_length: int = Field(256, ge=1, description="a longer prompt is an error naming its row")
     include_base: bool = True
+    implicit_reward_rows: int = Field(
+        100, ge=0, description="pairs (chosen/rejected rows) for the held-out implicit-reward accuracy of a policy trained on pairs"
+    )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="the engine of the greedy answers: hf | vllm")
 
 

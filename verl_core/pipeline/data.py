@@ -3,12 +3,15 @@ preference-data record points at."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
 from verl_core.config import ConfigError
 from verl_core.pipeline.config import DataSource
 from verl_core.pipeline.records import StageRecord
+
+log = logging.getLogger(__name__)
 
 
 def load_data(source: DataSource, bundled: Callable[[int | None], list[dict]] | None = None, where: str = "data") -> list[dict]:
@@ -17,13 +20,34 @@ def load_data(source: DataSource, bundled: Callable[[int | None], list[dict]] | 
     if source.path is None:
         if bundled is None:
             raise ConfigError("this data source needs a path")
-        return bundled(source.limit)
+        return shaped_rows(bundled(source.limit), source.chat, None, None, where)
     from verl_core.data import load_rows
     from verl_core.data.columns import map_columns
 
     rows = load_rows(source.path, source.split).to_list()
-    rows = rows[: source.limit] if source.limit else rows
-    return map_columns(rows, source.columns, source.prompt_template, where=where)
+    if source.holdout is None:  # the first N rows only: no need to map the whole file
+        rows = rows[: source.limit] if source.limit else rows
+    rows = map_columns(rows, source.columns, source.prompt_template, where=where)
+    return shaped_rows(rows, source.chat, source.holdout, source.limit, where, source.drop_unusable_pairs)
+
+
+def shaped_rows(
+    rows: list[dict], chat: bool, holdout, limit: int | None, where: str, drop_unusable_pairs: bool = False
+) -> list[dict]:
+    """``rows`` as messages when ``chat``, without unusable pairs when asked, then the ``holdout`` part
+    (a :class:`Holdout`), then the first ``limit``."""
+    from verl_core.data.dialogues import as_chat, holdout_part, usable_pairs
+
+    rows = as_chat(rows, where) if chat else rows
+    if drop_unusable_pairs:
+        rows, dropped = usable_pairs(rows)
+        if dropped:
+            log.warning("%s: dropped %d unusable pairs (rows %s)", where, len(dropped), ", ".join(map(str, dropped[:10])))
+    if holdout is not None:
+        rows = holdout_part(rows, holdout.fraction, holdout.part, holdout.seed)
+        if not rows:
+            raise ConfigError(f"{where}.holdout: its {holdout.part} part has no rows; change holdout.fraction")
+    return rows[:limit] if limit else rows
 
 
 def data_label(source: DataSource, bundled: str, task: str = "arithmetic") -> str:
@@ -51,10 +75,11 @@ def bundled_rows(cfg, split: str, limit: int, default: Callable[[int], list[dict
     return (rows or default)(limit)
 
 
-def preference_rows_of(record: StageRecord, columns: dict[str, str] | None = None) -> list[dict]:
+def preference_rows_of(record: StageRecord, section=None) -> list[dict]:
     """Pairs from a preference-data record: its ``pairs.jsonl``, its ``pairs/`` ``save_to_disk`` folder
     (what ``verl_core.preference_data`` writes), or the record's path itself (any loadable file/folder).
-    ``columns`` (``preference_data.columns``) maps the fields of pairs the user gave."""
+    The ``preference_data`` section's ``columns``, ``chat``, ``holdout`` and ``limit`` shape the pairs
+    the user gave."""
     from verl_core.data import load_rows
     from verl_core.data.columns import map_columns
 
@@ -62,7 +87,11 @@ def preference_rows_of(record: StageRecord, columns: dict[str, str] | None = Non
     for candidate in (path / "pairs.jsonl", path / "pairs"):
         if candidate.exists():
             return load_rows(str(candidate)).to_list()
-    return map_columns(load_rows(str(path)).to_list(), columns if record.given else None, where="preference_data")
+    rows = load_rows(str(path)).to_list()
+    if not record.given or section is None:
+        return rows
+    rows = map_columns(rows, section.columns, where="preference_data")
+    return shaped_rows(rows, section.chat, section.holdout, section.limit, "preference_data", section.drop_unusable_pairs)
 
 
 def prompt_rows(rows: list[dict]) -> list[dict]:

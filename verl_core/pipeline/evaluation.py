@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from verl_core.bundled import arithmetic
-from verl_core.pipeline.data import agent_environment, bundled_rows, data_label, load_data, prompt_rows
+from verl_core.pipeline.data import agent_environment, bundled_rows, data_label, load_data, prompt_rows, shaped_rows
 from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOutput, Step
 from verl_core.pipeline.report import plot_report, write_csv
 from verl_core.rollout.registry import RolloutConfig, build_rollout_backend, close_backend
@@ -21,11 +21,10 @@ TRACE_SAMPLES = 8  # answers per evaluated policy written as MLflow traces (the 
 
 def _bundled(cfg) -> list[dict] | None:
     c = cfg.evaluation
-    return (
-        bundled_rows(cfg, "eval_rows", c.data.limit or c.num_rows, arithmetic.eval_rows)[: c.num_rows]
-        if c.data.path is None
-        else None
-    )
+    if c.data.path is not None:
+        return None
+    rows = bundled_rows(cfg, "eval_rows", c.data.limit or c.num_rows, arithmetic.eval_rows)[: c.num_rows]
+    return shaped_rows(rows, c.data.chat, None, None, "evaluation.data")
 
 
 def score_policy(
@@ -64,15 +63,19 @@ def score_policy(
             texts = greedy_completions(model, tok, [e["prompt_ids"] for e in examples], max_new_tokens, backend=backend)
     finally:
         close_backend(backend)
+    # length hacking shows here: a reward model's favourite answers are often just longer ones
+    out["answer_tokens"] = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts) / max(len(texts), 1)
+    rm_scores = None
     if reward_model is not None:
         rm_scores = RewardModel.from_pretrained(reward_model).score([r["prompt"] for r in rows], texts)
         out["reward_score"] = rm_scores.mean().item()
         scores = [s if s is not None else r for s, r in zip(scores, rm_scores.tolist())]
+        rm_scores = rm_scores.tolist()
     samples = [
         {"prompt": row["prompt"], "completion": text, "reward": score, "ground_truth": row.get("ground_truth")}
         for row, text, score in list(zip(rows, texts, scores))[:TRACE_SAMPLES]
     ]
-    return out, texts, None, samples
+    return out, texts, None, samples, rm_scores
 
 
 def _score_episodes(model, tok, rows, reward, max_new_tokens, max_prompt_length, backend, agent):
@@ -86,7 +89,7 @@ def _score_episodes(model, tok, rows, reward, max_new_tokens, max_prompt_length,
     )
     texts = [tok.decode([t for t, m in zip(e.response, e.policy_mask) if m], skip_special_tokens=True) for e in episodes]
     out = {"accuracy": accuracy, **episode_metrics(episodes)}
-    return out, texts, trajectory_table(episodes, scores, tok), episode_samples(episodes, scores, tok, TRACE_SAMPLES)
+    return out, texts, trajectory_table(episodes, scores, tok), episode_samples(episodes, scores, tok, TRACE_SAMPLES), None
 
 
 def answer_samples(rows: list[dict], texts: list[str], reward: str | None, n: int = 20) -> list[dict]:
@@ -102,6 +105,57 @@ def answer_samples(rows: list[dict], texts: list[str], reward: str | None, n: in
             sample["expected"] = gsm8k_ground_truth(str(row.get("ground_truth", "")))
         samples.append(sample)
     return samples
+
+
+def win_rate(final: list[float] | None, base: list[float] | None) -> dict[str, float]:
+    """The reward model's win rate of the final policy's answers over the base model's, prompt by prompt
+    (a tie counts one half), with a normal-approximation 95% interval over the prompts."""
+    if not final or not base:
+        return {}
+    outcomes = [1.0 if f > b else 0.5 if f == b else 0.0 for f, b in zip(final, base)]
+    n = len(outcomes)
+    mean = sum(outcomes) / n
+    half = 1.96 * (sum((o - mean) ** 2 for o in outcomes) / max(n - 1, 1) / n) ** 0.5
+    return {
+        "win_rate/final_vs_base": round(mean, 4),
+        "win_rate/ci95_low": round(max(0.0, mean - half), 4),
+        "win_rate/ci95_high": round(min(1.0, mean + half), 4),
+        "win_rate/prompts": float(n),
+    }
+
+
+def _implicit_reward_accuracy(ctx: StageContext, rows: list[dict], final) -> dict[str, float]:
+    """Held-out implicit-reward preference accuracy of a policy trained on pairs (DPO, KTO...): the share
+    of held-out pairs where ``log π/π_ref`` is higher on the chosen answer than on the rejected one
+    (``π_ref`` = the SFT policy, the trainers' reference), on the first ``implicit_reward_rows`` pairs."""
+    from verl_core.evaluation import preference_margins
+    from verl_core.modeling.loading import load_causal_lm, load_tokenizer
+
+    from verl_core.algorithms.registry import ALGORITHMS
+
+    algorithm = ALGORITHMS.get(ctx.config.policy_optimisation.algorithm)
+    n = ctx.section.implicit_reward_rows
+    pairs = [r for r in rows if r.get("chosen") is not None and r.get("rejected") is not None][:n]
+    if not pairs or final.stage == "sft" or algorithm is None or algorithm.kind != "offline":
+        return {}
+    margins = []
+    for path in (final.output_path, ctx.input_path("sft")):
+        model, tok = load_causal_lm(path, trainable=False), load_tokenizer(path)
+        margins.append(preference_margins(model, tok, _completions_only(pairs), batch_size=8, max_length=1024))
+        del model
+    return {"implicit_reward_accuracy/final": round(float((margins[0] > margins[1]).float().mean()), 4)}
+
+
+def _completions_only(pairs: list[dict]) -> list[dict]:
+    """Pairs whose chosen/rejected hold only the answer after the prompt (as the trainers read them):
+    an implicit-prompt pair (HH) repeats its prompt at the start of both."""
+    out = []
+    for r in pairs:
+        p, n = r["prompt"], len(r["prompt"])
+        if r["chosen"][:n] == p and r["rejected"][:n] == p:
+            r = {"prompt": p, "chosen": r["chosen"][n:], "rejected": r["rejected"][n:]}
+        out.append({k: r[k] for k in ("prompt", "chosen", "rejected")})
+    return out
 
 
 def evaluation_stage(ctx: StageContext) -> StageOutput:
@@ -141,8 +195,11 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
         f"{k}/{row['policy']}": row[k]
         for row in table
         for k in row
-        if k in ("accuracy", "reward_score") or k.startswith("agent/")
+        if k in ("accuracy", "reward_score", "answer_tokens") or k.startswith("agent/")
     }
+    if c.include_base:
+        metrics.update(win_rate(scored[final.fingerprint][4], scored[ctx.inputs["base"].fingerprint][4]))
+    metrics.update(_implicit_reward_accuracy(ctx, rows, final))
     if "accuracy/final" in metrics:
         metrics["accuracy_gain"] = round(metrics["accuracy/final"] - metrics["accuracy/sft"], 6)  # 0.08 - 0.06 shows as 0.02
     samples = answer_samples(rows, scored[final.fingerprint][1], c.reward)

@@ -9,6 +9,7 @@ step (a new algorithm) = one entry in that step's registry (for algorithms:
 from __future__ import annotations
 
 import hashlib
+import json
 
 from verl_core.config import ConfigError
 from verl_core.data.fingerprint import fingerprint_path
@@ -66,7 +67,9 @@ def given_record(config: PipelineConfig, name: str) -> StageRecord | None:
     if path is None:
         return None
     fingerprint = fingerprint_path(path)
-    columns = getattr(getattr(config, name), "columns", None)
-    if columns:  # the same file read through another mapping is other data
-        fingerprint = hashlib.sha256(f"{fingerprint}:{sorted(columns.items())}".encode()).hexdigest()
+    section = getattr(config, name)
+    shape = {k: getattr(section, k, None) for k in ("columns", "chat", "holdout", "limit", "drop_unusable_pairs")}
+    if any(shape.values()):  # the same file read through another mapping, part or length is other data
+        shape = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in shape.items() if v}
+        fingerprint = hashlib.sha256(f"{fingerprint}:{json.dumps(shape, sort_keys=True)}".encode()).hexdigest()
     return StageRecord(stage=name, output_path=str(path), fingerprint=fingerprint, given=True)

@@ -12,7 +12,7 @@ def reward_model_stage(ctx: StageContext) -> StageOutput:
     from verl_core.algorithms.reward_model import RewardTrainer
 
     c = ctx.section
-    rows = preference_rows_of(ctx.inputs["preference_data"], ctx.config.preference_data.columns)
+    rows = preference_rows_of(ctx.inputs["preference_data"], ctx.config.preference_data)
     n_eval = int(len(rows) * c.eval_fraction)
     train, held = (rows[:-n_eval], rows[-n_eval:]) if n_eval else (rows, [])
     source = ctx.inputs["preference_data"].output_path

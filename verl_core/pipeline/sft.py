@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from verl_core.bundled import arithmetic
-from verl_core.pipeline.data import bundled_rows, data_label, load_data
+from verl_core.pipeline.data import bundled_rows, data_label, load_data, shaped_rows
 from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOutput, Step
 from verl_core.pipeline.training import train_offline
 
@@ -11,7 +11,8 @@ from verl_core.pipeline.training import train_offline
 def _bundled(cfg) -> list[dict] | None:
     if cfg.sft.data.path is not None:
         return None
-    return bundled_rows(cfg, "sft_rows", cfg.sft.data.limit or 2000, arithmetic.sft_rows)
+    rows = bundled_rows(cfg, "sft_rows", cfg.sft.data.limit or 2000, arithmetic.sft_rows)
+    return shaped_rows(rows, cfg.sft.data.chat, None, None, "sft.data")
 
 
 def sft_stage(ctx: StageContext) -> StageOutput:

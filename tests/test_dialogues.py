@@ -82,7 +82,9 @@ def test_the_pipelines_train_and_held_out_sources_never_share_a_prompt_and_the_g
         None,
         {
             "preference_data": {"path": path, "chat": True, "holdout": part, "drop_unusable_pairs": True, "limit": 20},
-            "evaluation": {"data": {"path": path, "chat": True, "holdout": {**part, "part": "held_out"}, "drop_unusable_pairs": True}},
+            "evaluation": {
+                "data": {"path": path, "chat": True, "holdout": {**part, "part": "held_out"}, "drop_unusable_pairs": True}
+            },
         },
     )
     pairs = prompt_rows(preference_rows_of(given_record(cfg, "preference_data"), cfg.preference_data))

@@ -137,9 +137,7 @@ CHAT_DESCRIPTION = (
     "render text rows as messages for the model's chat template (HH transcripts become their turns, "
     "a prompt string one user message)"
 )
-DROP_DESCRIPTION = (
-    "skip pairs with an empty or identical answer (a warning lists them) instead of failing on the first"
-)
+DROP_DESCRIPTION = "skip pairs with an empty or identical answer (a warning lists them) instead of failing on the first"
 
 # The fields stages read; ``columns`` maps each to the user's column name (verl_core.data.columns).
 RowField = Literal["prompt", "completion", "text", "messages", "chosen", "rejected", "ground_truth", "label"]
@@ -282,7 +280,7 @@ class EvaluationStageConfig(StrictConfig):
     max_prompt_length: int = Field(256, ge=1, description="a longer prompt is an error naming its row")
     include_base: bool = True
     implicit_reward_rows: int = Field(
-        100, ge=0, description="pairs (chosen/rejected rows) for the held-out implicit-reward accuracy of a policy trained on pairs"
+        100, ge=0, description="chosen/rejected rows for the held-out implicit-reward accuracy of a policy trained on pairs"
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="the engine of the greedy answers: hf | vllm")
 

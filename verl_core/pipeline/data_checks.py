@@ -54,7 +54,7 @@ def data_needs(config: PipelineConfig) -> Iterator[DataNeed]:
         raise DataError(f"preference_data.path: data path does not exist: {pd.path}")
     if pd.path and Path(pd.path).expanduser().is_file():  # a folder is a preference-data stage's output
         pairs = (("prompt", "chosen", "rejected"), ("chosen", "rejected"), ("prompt", "completion", "label"))
-        yield DataNeed("preference_data.path", DataSource(path=pd.path, columns=pd.columns, chat=pd.chat, holdout=pd.holdout, limit=pd.limit, drop_unusable_pairs=pd.drop_unusable_pairs), pairs, "preference rows")
+        yield DataNeed("preference_data.path", pairs_source(pd), pairs, "preference rows")
     if stage_enabled(config, "preference_data") and pd.path is None and pd.method == "sample_and_score" and pd.prompts.path:
         rules = pd.sample_and_score.reward.reward_rules
         yield DataNeed("preference_data.prompts", pd.prompts, _prompt_fields(rules), "prompts to sample and score")
@@ -95,3 +95,9 @@ def check_data(config: PipelineConfig) -> None:
         if need.key == "evaluation.data":
             rows = prompt_rows(rows)
         _check_rows(need, rows)
+
+
+def pairs_source(section) -> DataSource:
+    """The given pairs of the ``preference_data`` section as a data source (same mapping, part and length)."""
+    fields = ("columns", "chat", "holdout", "limit", "drop_unusable_pairs")
+    return DataSource(path=section.path, **{k: getattr(section, k) for k in fields})

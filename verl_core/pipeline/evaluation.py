@@ -128,10 +128,9 @@ def _implicit_reward_accuracy(ctx: StageContext, rows: list[dict], final) -> dic
     """Held-out implicit-reward preference accuracy of a policy trained on pairs (DPO, KTO...): the share
     of held-out pairs where ``log π/π_ref`` is higher on the chosen answer than on the rejected one
     (``π_ref`` = the SFT policy, the trainers' reference), on the first ``implicit_reward_rows`` pairs."""
+    from verl_core.algorithms.registry import ALGORITHMS
     from verl_core.evaluation import preference_margins
     from verl_core.modeling.loading import load_causal_lm, load_tokenizer
-
-    from verl_core.algorithms.registry import ALGORITHMS
 
     algorithm = ALGORITHMS.get(ctx.config.policy_optimisation.algorithm)
     n = ctx.section.implicit_reward_rows

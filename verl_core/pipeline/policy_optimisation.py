@@ -52,9 +52,7 @@ def _offline(ctx: StageContext, algorithm: Algorithm) -> StageOutput:
     # generated pairs carry scores and indices; the trainers read prompt/chosen/rejected (or, for KTO,
     # unpaired prompt/completion/label) only (no prompt: an implicit-prompt pair, split by the trainer's tokenizer)
     source = ctx.inputs["preference_data"].output_path
-    rows = offline_rows(
-        preference_rows_of(ctx.inputs["preference_data"], ctx.config.preference_data), algorithm.name, source
-    )
+    rows = offline_rows(preference_rows_of(ctx.inputs["preference_data"], ctx.config.preference_data), algorithm.name, source)
     return train_offline(
         ctx,
         algorithm.trainer,

@@ -115,6 +115,7 @@ def test_the_gsm8k_python_tool_recipe_runs_on_the_tiny_model(shared_data, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # torchrun == in-process for online RL: tests/test_distributed_stages.py's grpo case
 def test_agent_grpo_on_two_torchrun_processes_equals_the_in_process_run_with_the_same_micro_batches(tiny_path, tmp_path):
     """The policy-optimisation stage of configs/agent.yaml launched as a 2-process torchrun job: each process runs the
     episodes of its prompts (seeded per prompt, so the split changes no episode), the trainer gathers the global batch,

@@ -30,7 +30,7 @@ SHORT = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["torchrun", "ray"])
+@pytest.mark.parametrize("kind", ["torchrun", pytest.param("ray", marks=pytest.mark.exhaustive)])
 def test_async_grpo_runs_in_the_flow_under_a_launcher_tracked_in_mlflow_and_reruns_cached(prefect_harness, tmp_path, kind):
     from mlflow import MlflowClient
 

@@ -185,6 +185,7 @@ def tags_of(run: dict) -> dict[str, str]:
     return {t["key"]: t["value"] for t in run["data"].get("tags", [])}
 
 
+@pytest.mark.exhaustive  # the champion alias: tests/test_model_registry.py; one full run here: the deployment test
 def test_one_store_two_complete_runs_comparable_in_mlflow_with_models_and_a_champion(servers):
     base = servers["mlflow"]
     first_out, second_out = servers["outputs"]

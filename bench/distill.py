@@ -74,6 +74,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def shared_settings(args, seed: int, out: Path, steps=None, lr=None) -> dict:
+    """What both sides train with, so that they differ only in where their samples come from."""
+    return dict(
+        batch_size=args.batch,
+        max_steps=steps or args.steps,
+        learning_rate=lr or args.lr,
+        mixed_precision="no",
+        seed=seed,
+        progress=False,
+        logging_steps=1,
+        output_dir=str(out),
+    )
+
+
 def train_on_policy(student_dir: Path, teacher, prompts: list[dict], args, seed: int, out: Path):
     from verl_core.algorithms.distill import DistillTrainer
     from verl_core.policies import LLMPolicy
@@ -85,16 +99,9 @@ def train_on_policy(student_dir: Path, teacher, prompts: list[dict], args, seed:
         loss=args.loss,
         jsd_beta=args.jsd_beta,
         teacher_forced_fraction=args.teacher_fraction,
-        batch_size=args.batch,
-        max_steps=args.steps,
-        learning_rate=args.lr,
         max_new_tokens=args.max_new_tokens,
         temperature=1.0,
-        mixed_precision="no",
-        seed=seed,
-        progress=False,
-        logging_steps=1,
-        output_dir=str(out),
+        **shared_settings(args, seed, out),
     )
     result = trainer.train()
     return trainer.policy.model, {k: [round(v, 4) for _, v in h] for k, h in result.history.items() if k.startswith("distill/")}
@@ -106,14 +113,7 @@ def train_offline(student_dir: Path, rows: list[dict], args, seed: int, out: Pat
     trainer = SFTTrainer(
         str(student_dir),
         train_dataset=rows,
-        batch_size=args.batch,
-        max_steps=steps or args.steps,
-        learning_rate=lr or args.lr,
-        mixed_precision="no",
-        seed=seed,
-        progress=False,
-        logging_steps=1,
-        output_dir=str(out),
+        **shared_settings(args, seed, out, steps, lr),
     )
     result = trainer.train()
     return trainer.model, {"loss": [round(v, 4) for _, v in result.history.get("loss", [])]}

@@ -194,6 +194,10 @@ SampleAndScoreConfig = with_defaults(
 )
 
 
+# the preference_data keys that shape pairs the user gave (read as one DataSource; part of their fingerprint)
+GIVEN_PAIRS_FIELDS = ("columns", "chat", "holdout", "limit", "drop_unusable_pairs")
+
+
 class PreferenceDataStageConfig(StrictConfig):
     """Preference pairs (prompt, chosen, rejected); skipped when ``path`` is given.
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from verl_core.config import ConfigError
-from verl_core.pipeline.config import DataSource
+from verl_core.pipeline.config import GIVEN_PAIRS_FIELDS, DataSource
 from verl_core.pipeline.records import StageRecord
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def load_data(source: DataSource, bundled: Callable[[int | None], list[dict]] | 
     from verl_core.data.columns import map_columns
 
     rows = load_rows(source.path, source.split).to_list()
-    if source.holdout is None:  # the first N rows only: no need to map the whole file
+    if source.holdout is None and not source.drop_unusable_pairs:  # the first N rows: no need to map the whole file
         rows = rows[: source.limit] if source.limit else rows
     rows = map_columns(rows, source.columns, source.prompt_template, where=where)
     return shaped_rows(rows, source.chat, source.holdout, source.limit, where, source.drop_unusable_pairs)
@@ -81,17 +81,19 @@ def preference_rows_of(record: StageRecord, section=None) -> list[dict]:
     The ``preference_data`` section's ``columns``, ``chat``, ``holdout`` and ``limit`` shape the pairs
     the user gave."""
     from verl_core.data import load_rows
-    from verl_core.data.columns import map_columns
 
+    if record.given and section is not None:
+        return load_data(pairs_source(section), where="preference_data")
     path = Path(record.output_path)
     for candidate in (path / "pairs.jsonl", path / "pairs"):
         if candidate.exists():
             return load_rows(str(candidate)).to_list()
-    rows = load_rows(str(path)).to_list()
-    if not record.given or section is None:
-        return rows
-    rows = map_columns(rows, section.columns, where="preference_data")
-    return shaped_rows(rows, section.chat, section.holdout, section.limit, "preference_data", section.drop_unusable_pairs)
+    return load_rows(str(path)).to_list()
+
+
+def pairs_source(section) -> DataSource:
+    """The pairs the ``preference_data`` section gives, as a data source (same mapping, part and length)."""
+    return DataSource(path=section.path, **{k: getattr(section, k) for k in GIVEN_PAIRS_FIELDS})
 
 
 def prompt_rows(rows: list[dict]) -> list[dict]:

@@ -18,7 +18,7 @@ from verl_core.algorithms.registry import ALGORITHMS
 from verl_core.data.errors import DataError
 from verl_core.data.files import line_of_row
 from verl_core.pipeline.config import DataSource, PipelineConfig
-from verl_core.pipeline.data import load_data, prompt_rows
+from verl_core.pipeline.data import load_data, pairs_source, prompt_rows
 from verl_core.pipeline.registry import given_record, stage_enabled
 from verl_core.rewards.rules import get_rule_reward
 
@@ -95,9 +95,3 @@ def check_data(config: PipelineConfig) -> None:
         if need.key == "evaluation.data":
             rows = prompt_rows(rows)
         _check_rows(need, rows)
-
-
-def pairs_source(section) -> DataSource:
-    """The given pairs of the ``preference_data`` section as a data source (same mapping, part and length)."""
-    fields = ("columns", "chat", "holdout", "limit", "drop_unusable_pairs")
-    return DataSource(path=section.path, **{k: getattr(section, k) for k in fields})

@@ -14,7 +14,7 @@ import json
 from verl_core.config import ConfigError
 from verl_core.data.fingerprint import fingerprint_path
 from verl_core.pipeline import evaluation, policy_optimisation, preference_data, reward_model, sft
-from verl_core.pipeline.config import PipelineConfig
+from verl_core.pipeline.config import GIVEN_PAIRS_FIELDS, PipelineConfig
 from verl_core.pipeline.records import Stage, StageRecord, Step
 
 STEPS: dict[str, Step] = {
@@ -68,7 +68,7 @@ def given_record(config: PipelineConfig, name: str) -> StageRecord | None:
         return None
     fingerprint = fingerprint_path(path)
     section = getattr(config, name)
-    shape = {k: getattr(section, k, None) for k in ("columns", "chat", "holdout", "limit", "drop_unusable_pairs")}
+    shape = {k: getattr(section, k, None) for k in GIVEN_PAIRS_FIELDS}
     if any(shape.values()):  # the same file read through another mapping, part or length is other data
         shape = {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in shape.items() if v}
         fingerprint = hashlib.sha256(f"{fingerprint}:{json.dumps(shape, sort_keys=True)}".encode()).hexdigest()

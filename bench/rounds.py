@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl_core.pipeline.runner import run_all_rounds
 
     rows = arithmetic.eval_rows(args.eval_rows)
-    before = score_policy(str(base), rows, "exact_match", 32, None)[0]["accuracy"]
+    before = score_policy(str(base), rows, "exact_match", 32, None).metrics["accuracy"]
     sft = StageRecord(stage="sft", output_path=str(base), fingerprint=fingerprint_path(base), given=True)
     table = []
     for name in args.algorithms.split(","):
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         pairs = run_stage(cfg, "preference_data", {}).record if name == "dpo" else None
         rec = run_all_rounds(cfg, "policy_optimisation", {"sft": sft, "preference_data": pairs}).record
-        after = score_policy(rec.output_path, rows, "exact_match", 32, None)[0]["accuracy"]
+        after = score_policy(rec.output_path, rows, "exact_match", 32, None).metrics["accuracy"]
         table.append(
             {"algorithm": name, "before": before, "after": after, "gain": after - before, "seconds": time.monotonic() - start}
         )

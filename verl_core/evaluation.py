@@ -24,9 +24,12 @@ def greedy_completions(
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    # batches of similar lengths: left padding to a batch's longest prompt is compute spent on nothing
+    # (real dialogues range from 20 to 500 tokens)
+    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     texts: list[str] = []
-    for start in range(0, len(prompt_ids), batch_size):
-        chunk = prompt_ids[start : start + batch_size]
+    for start in range(0, len(order), batch_size):
+        chunk = [prompt_ids[i] for i in order[start : start + batch_size]]
         ids = pad_to(chunk, tokenizer.pad_token_id, side="left").to(device)
         mask = pad_to([[1] * len(p) for p in chunk], 0, side="left").to(device)
         out = model.generate(
@@ -39,7 +42,10 @@ def greedy_completions(
         )
         texts += tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
     model.train(was_training)
-    return texts
+    by_row = [""] * len(order)
+    for text, i in zip(texts, order):
+        by_row[i] = text
+    return by_row
 
 
 def answer_rewards(

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from verl_core.bundled import arithmetic
 from verl_core.pipeline.data import agent_environment, bundled_rows, data_label, load_data, prompt_rows, shaped_rows
@@ -30,6 +32,17 @@ def _bundled(cfg) -> list[dict] | None:
     return shaped_rows(rows, c.data.chat, None, None, "evaluation.data")
 
 
+@dataclass
+class PolicyScores:
+    """One policy's greedy answers to the held-out rows and what was measured on them."""
+
+    metrics: dict[str, float]  # accuracy, reward_score, answer_tokens, agent/*
+    answers: list[str]
+    trajectory_columns: dict[str, list[Any]] | None  # agent episodes: the MLflow trajectory table
+    trace_samples: list[dict]  # the first answers, written as MLflow traces
+    reward_model_scores: list[float] | None  # per row: what the win rate compares
+
+
 def score_policy(
     path: str,
     rows: list[dict],
@@ -39,7 +52,7 @@ def score_policy(
     max_prompt_length: int = 256,
     rollout: RolloutConfig | None = None,
     agent=None,
-) -> tuple:
+) -> PolicyScores:
     """Greedy answers of the policy at ``path`` (sampled by the ``rollout`` backend, default hf): mean
     rule reward (``accuracy``), mean reward-model score (``reward_score``), and the answers. With
     ``agent`` (the algorithm section's :class:`~verl_core.agents.AgentSettings`), greedy episodes:
@@ -78,7 +91,7 @@ def score_policy(
         {"prompt": row["prompt"], "completion": text, "reward": score, "ground_truth": row.get("ground_truth")}
         for row, text, score in list(zip(rows, texts, scores))[:TRACE_SAMPLES]
     ]
-    return out, texts, None, samples, rm_scores
+    return PolicyScores(out, texts, None, samples, rm_scores)
 
 
 def _score_episodes(model, tok, rows, reward, max_new_tokens, max_prompt_length, backend, agent):
@@ -92,7 +105,9 @@ def _score_episodes(model, tok, rows, reward, max_new_tokens, max_prompt_length,
     )
     texts = [tok.decode([t for t, m in zip(e.response, e.policy_mask) if m], skip_special_tokens=True) for e in episodes]
     out = {"accuracy": accuracy, **episode_metrics(episodes)}
-    return out, texts, trajectory_table(episodes, scores, tok), episode_samples(episodes, scores, tok, TRACE_SAMPLES), None
+    return PolicyScores(
+        out, texts, trajectory_table(episodes, scores, tok), episode_samples(episodes, scores, tok, TRACE_SAMPLES), None
+    )
 
 
 def answer_samples(rows: list[dict], texts: list[str], reward: str | None, n: int = 20) -> list[dict]:
@@ -172,7 +187,7 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
         if agent_environment(ctx.config)
         else None
     )
-    scored: dict[str, tuple] = {}
+    scored: dict[str, PolicyScores] = {}
     table, trajectories = [], []
     report = ctx.output_dir / "report"
     report.mkdir(exist_ok=True)
@@ -191,11 +206,11 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
                 c.rollout,
                 agent,
             )
-            numbers = ", ".join(f"{k}={v:.4g}" for k, v in scored[rec.fingerprint][0].items() if isinstance(v, float))
+            numbers = ", ".join(f"{k}={v:.4g}" for k, v in scored[rec.fingerprint].metrics.items() if isinstance(v, float))
             log.info("evaluation: %s policy scored in %.0f s: %s", label, time.perf_counter() - started, numbers)
-        table.append({"policy": label, "stage": rec.stage, **scored[rec.fingerprint][0]})
+        table.append({"policy": label, "stage": rec.stage, **scored[rec.fingerprint].metrics})
         if agent is not None:  # MLflow's table-artifact layout (what MlflowClient.log_table writes)
-            columns = scored[rec.fingerprint][2]
+            columns = scored[rec.fingerprint].trajectory_columns
             path = report / f"agent_trajectories_{label}.json"
             path.write_text(json.dumps({"columns": list(columns), "data": [list(r) for r in zip(*columns.values())]}, indent=1))
             trajectories.append(path)
@@ -206,12 +221,14 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
         if k in ("accuracy", "reward_score", "answer_tokens") or k.startswith("agent/")
     }
     if c.include_base:
-        metrics.update(win_rate(scored[final.fingerprint][4], scored[ctx.inputs["base"].fingerprint][4]))
+        metrics.update(
+            win_rate(scored[final.fingerprint].reward_model_scores, scored[ctx.inputs["base"].fingerprint].reward_model_scores)
+        )
     metrics.update(_implicit_reward_accuracy(ctx, rows, final))
     if "accuracy/final" in metrics:
         metrics["accuracy_gain"] = round(metrics["accuracy/final"] - metrics["accuracy/sft"], 6)  # 0.08 - 0.06 shows as 0.02
-    samples = answer_samples(rows, scored[final.fingerprint][1], c.reward)
-    traces = {f"evaluation {label}": scored[rec.fingerprint][3] for label, rec in policies}
+    samples = answer_samples(rows, scored[final.fingerprint].answers, c.reward)
+    traces = {f"evaluation {label}": scored[rec.fingerprint].trace_samples for label, rec in policies}
     (report / "results.json").write_text(json.dumps({"table": table, "metrics": metrics}, indent=2))
     (report / "final_answers.json").write_text(json.dumps(samples, indent=2))
     write_csv(report / "evaluation.csv", table)

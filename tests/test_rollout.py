@@ -145,6 +145,8 @@ def test_greedy_matches_hf_generate_and_does_not_depend_on_chunking(tiny):
     chunked = backend.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8, batch_size=2), seed=0)
     assert whole.response_lists() == chunked.response_lists()
     assert decode_responses(tok, whole) == greedy_completions(model, tok, prompts, max_new_tokens=8)
+    # batches of 2 are taken in prompt-length order (9, 11 | 16, 18 | 20): the answers still come back by row
+    assert greedy_completions(model, tok, prompts, max_new_tokens=8, batch_size=2) == decode_responses(tok, whole)
 
 
 def test_each_distinct_prompt_is_prefilled_once_and_split_groups_still_match(tiny):

@@ -7,7 +7,8 @@ Two runs started at once on a fresh workdir: one waits for the other, then reuse
 Both must end with the same bytes as each other (so the killed chain equals an uninterrupted run),
 no MLflow run left RUNNING, no Prefect flow run left Running, and exactly one registered version.
 
-The subprocesses share the test harness's Prefect API (no temporary server per run). Tiny model,
+The subprocesses share the session's Prefect test API (conftest ``prefect_harness``: no temporary server per
+run, none per module); the flow runs checked are those started by this module. Tiny model,
 6 SFT steps, no reward model or policy optimisation: the cost is mostly process start-up.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -36,12 +38,10 @@ SETTINGS = [
 
 
 @pytest.fixture(scope="module")
-def prefect_api():
+def prefect_api(prefect_harness):
     from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=600):
-        yield PREFECT_API_URL.value()
+    return PREFECT_API_URL.value()
 
 
 def _command(point: str, workdir: Path, *extra: str) -> list[str]:
@@ -79,12 +79,21 @@ def _assert_clean_end(workdir: Path) -> None:
     assert not (workdir / ".lock").exists() and not list((workdir / ".locks").glob("*.lock"))
 
 
-def _running_flow_runs() -> list:
+def _running_flow_runs(since: datetime) -> list:
+    """The flow runs started ``since`` (not other modules' on the session's API) that are in state Running."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterStartTime,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
     from prefect.client.schemas.objects import StateType
 
-    running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
+    running = FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])),
+        start_time=FlowRunFilterStartTime(after_=since),
+    )
     with get_client(sync_client=True) as client:
         return client.read_flow_runs(flow_run_filter=running)
 
@@ -92,13 +101,14 @@ def _running_flow_runs() -> list:
 @pytest.fixture(scope="module")
 def killed_chain(prefect_api, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("killed") / "work"
+    started = datetime.now(timezone.utc)
     outcomes = {point: _run(prefect_api, point, workdir) for point in ("mid-sft", "mid-checkpoint-write", "mid-registration")}
     final = _run(prefect_api, "none", workdir)
-    return workdir, outcomes, final
+    return workdir, outcomes, final, started
 
 
 def test_kill_9_trials_rerun_to_a_clean_single_registered_result(killed_chain):
-    workdir, outcomes, final = killed_chain
+    workdir, outcomes, final, started = killed_chain
     for point, proc in outcomes.items():
         assert proc.returncode == -9, (point, proc.returncode, proc.stderr[-3000:])
     assert final.returncode == 0, final.stderr[-3000:]
@@ -109,7 +119,7 @@ def test_kill_9_trials_rerun_to_a_clean_single_registered_result(killed_chain):
     pipeline_runs = [r for r in killed if "mlflow.parentRunId" not in r.data.tags]
     assert len(pipeline_runs) == len(outcomes) and len(killed) > len(outcomes)
     assert all(r.info.status == "KILLED" and "is gone" in r.data.tags["mlflow.note.content"] for r in killed)
-    assert not _running_flow_runs(), "a Prefect flow run of a killed attempt was left Running"
+    assert not _running_flow_runs(started), "a Prefect flow run of a killed attempt was left Running"
 
 
 def test_two_concurrent_runs_one_waits_and_both_equal_the_killed_chain(prefect_api, tmp_path, killed_chain):

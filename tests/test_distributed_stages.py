@@ -15,7 +15,9 @@ measures and bounds it).
 
 Each stage is tiny (a few steps). Every distributed run goes through
 :func:`verl_core.pipeline.launch.run_stage_launched`, the function the Prefect task calls; the
-in-process reference is :func:`verl_core.pipeline.runner.run_stage` in a separate workdir.
+in-process reference is :func:`verl_core.pipeline.runner.run_stage` in a separate workdir. Each job
+starts once per module: while it runs, the listening sockets of its processes are polled for the
+loopback tests at the end (tests/test_launcher_sockets.py has the rest of them).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from test_launcher_sockets import assert_loopback_only, watch_listeners
 
 from verl_core.data.fingerprint import fingerprint_path
 from verl_core.pipeline import PipelineConfig, load_pipeline_config, run_stage
@@ -138,17 +141,24 @@ def assert_same_training(local: StageRecord, launched: StageRecord) -> float:
 
 
 _LAUNCHED: dict[str, StageRecord] = {}
+_LOG: dict[str, list[str]] = {}
+_LISTENING: dict[str, dict] = {}  # (ip, port) -> who, the sockets its processes listened on while it ran
 
 
 def launched_record(stage: str, kind: str, base: Path, root: Path, pairs: StageRecord, sft: Path | None, lines: list, *extra):
-    """The 2-process run of ``stage`` (kept per module when no extra settings are given)."""
+    """The 2-process run of ``stage`` (kept per module, with its log lines and listening sockets, when no
+    extra settings are given); ``lines`` gets the job's log lines."""
     key = f"{kind}-{stage}"
     if key in _LAUNCHED and not extra:
+        lines.extend(_LOG[key])
         return _LAUNCHED[key]
     cfg = config(root / f"{kind}-{stage}", base, stage, f"launcher.kind={kind}", f"launcher.num_processes={PROCESSES}", *extra)
-    record = run_stage_launched(plan_stage(cfg, STEP_OF[stage], inputs_for(stage, cfg, pairs, sft)), log_line=lines.append).record
+    plan = plan_stage(cfg, STEP_OF[stage], inputs_for(stage, cfg, pairs, sft))
+    log: list[str] = []
+    record, listening = watch_listeners(lambda: run_stage_launched(plan, log_line=log.append).record)
+    lines.extend(log)
     if not extra:
-        _LAUNCHED[key] = record
+        _LAUNCHED[key], _LOG[key], _LISTENING[key] = record, log, listening
     return record
 
 
@@ -223,19 +233,20 @@ def test_one_micro_batch_differs_only_by_summation_order(stage, tiny_path, pairs
     assert apart <= 1e-3 * moved
 
 
-def test_the_evaluation_table_is_the_same(sft_path, pairs, work):
-    """SFT then DPO from the SFT fixture (so accuracies are not all 0), in process and with
-    torchrun: the evaluation stage's table is identical."""
+def test_the_evaluation_table_is_the_same(tiny_path, sft_path, pairs, work):
+    """The GRPO stage above (from the SFT fixture, so accuracies are not all 0) in process and with
+    torchrun: the evaluation stage's table of the two is identical."""
     tables = []
     for kind in ("local", "torchrun"):
-        launcher = [f"launcher.kind={kind}"] + (["launcher.num_processes=2"] if kind == "torchrun" else [])
-        cfg = config(work / f"eval-{kind}", sft_path, "dpo", *SETTINGS["sft"], "evaluation.num_rows=32", *launcher)
-        base = base_model_record(cfg)
-        sft = run_stage_launched(plan_stage(cfg, "sft", {"base": base})).record
-        dpo = run_stage_launched(plan_stage(cfg, PO, {"sft": sft, "preference_data": pairs})).record
-        ev = run_stage(cfg, "evaluation", {"base": base, "sft": sft, PO: dpo}).output
-        tables.append(ev.tables["evaluation"])
+        if kind == "local":
+            trained = local_record("grpo", tiny_path, work, pairs, sft_path)
+        else:
+            trained = launched_record("grpo", kind, tiny_path, work, pairs, sft_path, [])
+        cfg = config(work / f"eval-{kind}", tiny_path, "grpo", "evaluation.num_rows=32", "evaluation.include_base=false")
+        inputs = {"base": base_model_record(cfg), "sft": given("sft", sft_path), PO: trained}
+        tables.append(run_stage(cfg, "evaluation", inputs).output.tables["evaluation"])
     assert tables[0] == tables[1]
+    assert [row["policy"] for row in tables[0]] == ["sft", "final"]
     assert any(row["accuracy"] > 0 for row in tables[0])
 
 
@@ -257,3 +268,23 @@ def test_fsdp2_equals_ddp_or_is_refused_on_cpu_with_the_reason(tiny_path, pairs,
     sharded = launched_record("sft", "torchrun", tiny_path, work / "fsdp2", pairs, None, lines, sharding)
     ddp = launched_record("sft", "torchrun", tiny_path, work / "ddp", pairs, None, lines)
     assert_same_training(ddp, sharded)
+
+
+# issue 33 (tests/test_launcher_sockets.py): the processes of the jobs above listened on loopback only
+def test_a_torchrun_stage_listens_on_loopback_only(tiny_path, pairs, work):
+    launched_record("sft", "torchrun", tiny_path, work, pairs, None, [])
+    seen = _LISTENING["torchrun-sft"]
+    agent = {addr for addr, who in seen.items() if "torch.distributed.run" in who}
+    assert len(agent) >= 2, f"the agent's two c10d stores (rendezvous, ranks') were not seen: {seen}"
+    assert_loopback_only(seen)
+
+
+def test_a_ray_stage_listens_on_loopback_only(tiny_path, pairs, work):
+    pytest.importorskip("ray", reason="Ray is the [ray] extra: pip install 'verl_core[ray]'")
+    lines: list[str] = []
+    launched_record("dpo", "ray", tiny_path, work, pairs, None, lines)
+    seen = _LISTENING["ray-dpo"]
+    for part in ("gcs_server", "raylet", "RayTrainWorker"):  # the ranks' gloo and the process-group store
+        assert any(part in who for who in seen.values()), f"no listener of {part} seen: {seen}"
+    assert_loopback_only(seen)
+    assert any("RayTrainWorker" in line for line in lines)

@@ -1,8 +1,7 @@
 """A rank of a torchrun stage killed mid-training (SIGKILL, from outside, as an out-of-memory
 kill would): the Prefect task fails with that rank's error, the stage's MLflow run is FAILED,
 nothing is half-written; the next run resumes from the last checkpoint and ends bitwise equal
-to an uninterrupted 2-process run. The resumed run also shows that a launched stage's progress lines reach
-the Prefect run's log (rank 0's, once each; the in-process case is tests/test_prefect_logs.py)."""
+to an uninterrupted 2-process run."""
 
 from __future__ import annotations
 
@@ -74,14 +73,13 @@ def task_log_lines(flow_run_id: str, stage: str) -> list[str]:
     return [log.message for log in logs]
 
 
-def test_killed_rank_fails_the_task_and_the_rerun_resumes_bitwise_equal(prefect_harness, tiny_path, tmp_path, monkeypatch):
+def test_killed_rank_fails_the_task_and_the_rerun_resumes_bitwise_equal(prefect_harness, tiny_path, tmp_path):
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     from flows import stage_flow
 
-    monkeypatch.setenv("VERL_CORE_PROGRESS_INTERVAL", "0")  # the ranks' line interval: a line per step here
     cfg = config(tmp_path, tiny_path)
     stages = cfg.workdir_path / "stages"
     killed: list[int] = []
@@ -126,14 +124,7 @@ def test_killed_rank_fails_the_task_and_the_rerun_resumes_bitwise_equal(prefect_
     ]
     assert len(finished) == 1 and c.get_metric_history(finished[0].info.run_id, "loss")
     assert finished[0].inputs.dataset_inputs  # the training rows, logged by rank 0
-    lines = task_log_lines(resumed.flow_run_id, "sft")
-    assert any("torch.distributed.run --nproc_per_node 2" in line for line in lines)
-    assert any(line.startswith("sft: torchrun with 2 processes") for line in lines), lines
-    # the ranks print their progress; the launcher streams each line into the task's logger, so the Prefect
-    # run's log shows the training as it goes, named after the trainer: rank 0's lines only, once each
-    progress = [line for line in lines if line.startswith("SFTTrainer: ")]
-    assert progress and progress[-1].startswith("SFTTrainer: 40/40 steps (100%)"), lines
-    assert len(progress) <= 40 - record.extra["resumed_from_step"] + 1
+    assert any("torch.distributed.run --nproc_per_node 2" in line for line in task_log_lines(resumed.flow_run_id, "sft"))
 
     # ... and ends bitwise equal to an uninterrupted 2-process run elsewhere
     other = cfg.updated(workdir=str(tmp_path / "uninterrupted"))

@@ -66,8 +66,44 @@ def test_a_user_error_is_one_readable_line_in_the_flow_runs_log_without_a_traceb
     assert "Traceback" not in text, text
 
 
-# A torchrun stage's progress lines in the flow run's log: the resumed 2-process run of
-# tests/test_distributed_failures.py (a launched stage run through the flow that module needs anyway).
+@pytest.mark.slow
+def test_a_torchrun_stages_progress_lines_reach_the_flow_runs_log(prefect_harness, tiny_path, tmp_path, monkeypatch):
+    """A launched stage's ranks print their progress; the launcher streams each line into the task's logger,
+    so the Prefect run's log shows the training as it goes, named after the trainer."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    from flows import stage_flow
+    from verl_core.pipeline.config import load_pipeline_config
+
+    monkeypatch.setenv("VERL_CORE_PROGRESS_INTERVAL", "0")  # the ranks' line interval: a line per step here
+    cfg = load_pipeline_config(
+        None,
+        [
+            f"workdir={tmp_path}",
+            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}",
+            f"base_model={tiny_path}",
+            "sft.max_steps=6",
+            "sft.batch_size=8",
+            "sft.mixed_precision=no",
+            "sft.data.limit=64",
+            "launcher.kind=torchrun",
+            "launcher.num_processes=2",
+        ],
+    )
+    result = stage_flow("sft", cfg)
+    for logger in ("verl_core", "prefect.task_runs", "prefect.flow_runs"):
+        for handler in logging.getLogger(logger).handlers:
+            if isinstance(handler, APILogHandler):
+                handler.flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[result.flow_run_id])))
+    messages = [log.message for log in logs]
+    assert any(m.startswith("sft: torchrun with 2 processes") for m in messages), messages
+    progress = [m for m in messages if m.startswith("SFTTrainer: ")]
+    assert progress and progress[-1].startswith("SFTTrainer: 6/6 steps (100%)"), messages
+    assert len(progress) <= 7  # rank 0's lines only, once each
 
 
 @pytest.mark.fast

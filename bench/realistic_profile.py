@@ -3,10 +3,13 @@
     python bench/realistic_profile.py rm                   # ours, shape a, 3 steps, 1 thread
     python bench/realistic_profile.py grpo --side trl --threads 2 --top 30
     python bench/realistic_profile.py dpo --shape b --sort cpu_time_total
+    python bench/realistic_profile.py dpo --shape smollm2 --steps 1 --threads 2 --memory   # what holds memory
 
 Runs the same code as the bench (``bench/realistic_sides.py``) on the same rows, prints the time
 from ``train()`` to each step end, the phases our GRPO logs (generation, update), and the top ops
-by self CPU time over the whole ``train()`` (reference precompute and the first step included).
+by self CPU time over the whole ``train()`` (reference precompute and the first step included); with
+``--memory``, the top ops by the memory they allocate and keep (torch.profiler's self CPU memory: what a
+forward saves for its backward shows here) and the process's peak RSS.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--sort", default="self_cpu_time_total", choices=["self_cpu_time_total", "cpu_time_total"])
+    ap.add_argument("--memory", action="store_true", help="profile memory; sort by the memory each op keeps")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--cache-dir", default="")
     args = ap.parse_args(argv)
@@ -54,7 +58,7 @@ def main(argv=None) -> int:
     run = realistic_sides.run_ours if args.side == "ours" else realistic_sides.run_trl
     clock = harness.StepClock(spec.resolved_device())
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, profile_memory=args.memory) as prof:
         info = run(args.algo, spec, clock)
     start = clock.marks["setup_done"]
     ends = [round(t - start, 2) for t in clock.ticks]
@@ -63,7 +67,11 @@ def main(argv=None) -> int:
     for i, p in enumerate(phases):
         print(f"  step {i + 1}: " + ", ".join(f"{k.removeprefix('perf/')} {v:.2f}" for k, v in p.items()))
     print(f"settings: {info['features']}")
-    print(prof.key_averages().table(sort_by=args.sort, row_limit=args.top))
+    if args.memory:
+        import resource
+
+        print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB")
+    print(prof.key_averages().table(sort_by="self_cpu_memory_usage" if args.memory else args.sort, row_limit=args.top))
     return 0
 
 

@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(PY) -m flows.cli run $(ARGS)
 
+# Two pytest-xdist workers, a test file per worker at a time (module fixtures are built once): most of the
+# suite's time is single-threaded (process start-up, imports, servers, small models), so the two cores
+# finish it in about half the time. `make test WORKERS=0` runs it in one process.
+WORKERS ?= 2
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest $(ARGS)  # no path given: pyproject testpaths (tests/)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(if $(filter 0,$(WORKERS)),,-n $(WORKERS) --dist loadfile) $(ARGS)  # no path given: pyproject testpaths (tests/)
 
 # `make bench`: the realistic-shape table (bench/realistic.py, options in REALISTIC_ARGS), then the
 # toy table (bench/run_all.py, options in ARGS, after TOY_ARGS: fp32 as the realistic table, since a

@@ -7,6 +7,11 @@ import tempfile
 from pathlib import Path
 
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="verl-core-tests-"))
+# `make test` runs two pytest-xdist workers (one per core): each takes one thread, and so do the processes
+# its tests start, since two 2-thread torch processes on 2 cores spin against each other (OpenMP waits).
+_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+if _THREADS == 1:
+    os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -23,7 +28,7 @@ apply_defaults()  # the project's Prefect settings, as the CLI has them, before 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(2)
+torch.set_num_threads(_THREADS)
 SHARED_DATA = Path(os.environ.get("VERL_CORE_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 
 

@@ -26,8 +26,11 @@ student) on the teacher's greedy answers (SFT's own target distribution): each m
 own objective and on the other's. The teacher is at 0 on both, so "gap closed" = (KL(student0) - KL(after))
 / KL(student0). Greedy exact-match accuracy (numeric_match) is reported beside.
 
-Verdict (set before the runs): PASS when, on every seed, on-policy closes more of the gap than offline on
-BOTH metrics. Exit 0 PASS, 1 a miss, 2 a crash. Results: bench/results/distill.json.
+Verdict, by ``--rule`` (each set before its runs): ``kl`` (the first rule): PASS when, on every seed, on-policy
+closes more of the gap than offline on BOTH KL metrics. ``accuracy`` (set after ``kl`` missed, before any run
+under it): the task gap, (acc - acc0) / (teacher acc - acc0) on the held-out prompts; PASS when the teacher is
+clearly better (at least ``MIN_TASK_GAP`` above the warm student) and, on every seed, on-policy closes more of it
+than offline. Exit 0 PASS, 1 a miss, 2 a crash. Results: bench/results/distill.json.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 RESULTS = Path(__file__).resolve().parent / "results" / "distill.json"
 METRICS = ("reverse_kl", "forward_kl")
+RULES = {
+    "kl": "on every seed, on-policy closes more of both KL gaps than offline",
+    "accuracy": "the teacher >= 0.10 above the warm student, and on every seed on-policy closes more of that accuracy gap",
+}
+MIN_TASK_GAP = 0.10
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-lr", type=float, default=3e-4)
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--threads", default="auto", help="torch threads: auto (1 on a busy machine) or a number")
+    p.add_argument("--rule", choices=tuple(RULES), default="kl", help="the verdict (see the module's docstring)")
     p.add_argument("--quick", action="store_true", help="smoke size: 2 steps of 4, 1 seed, 8 held-out prompts")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
@@ -193,7 +202,10 @@ def run(args) -> dict:
                 "train_s": round(train_s, 1),
                 "wall_s": round(wall, 1),
                 "after": after,
-                "closed": {m: gap_closed(base[m], after[m]) for m in METRICS},
+                "closed": {
+                    **{m: gap_closed(base[m], after[m]) for m in METRICS},
+                    "accuracy": gap_closed(base["accuracy"], after["accuracy"], held.teacher_accuracy),
+                },
                 "history": history,
             }
             runs.append(row)
@@ -215,11 +227,19 @@ def run(args) -> dict:
 def verdict(res: dict) -> tuple[bool, list[str]]:
     lines, ok = [], True
     by = {(r["method"], r["seed"]): r for r in res["runs"]}
+    metrics = METRICS if res["config"]["rule"] == "kl" else ("accuracy",)
+    if res["config"]["rule"] == "accuracy":
+        gap = res["teacher_accuracy"] - res["student0"]["accuracy"]
+        ok = gap >= MIN_TASK_GAP
+        lines.append(
+            f"task gap: teacher {res['teacher_accuracy']:.3f} - student0 {res['student0']['accuracy']:.3f} = {gap:+.3f}"
+            f" ({'clear' if ok else 'MISS: not clearly better'}, needs >= {MIN_TASK_GAP})"
+        )
     for seed in res["config"]["seeds"]:
         if ("offline", seed) not in by or ("on-policy", seed) not in by:
             return False, [f"seed {seed}: both methods are needed for a verdict"]
         on, off = by[("on-policy", seed)], by[("offline", seed)]
-        for m in METRICS:
+        for m in metrics:
             win = on["closed"][m] > off["closed"][m]
             ok &= win
             lines.append(
@@ -240,22 +260,25 @@ def table(res: dict) -> str:
         "on the teacher's greedy answers; teacher = 0 on both; closed = (KL0 - KL) / KL0; acc = greedy numeric match\n"
     )
     rows = [
-        "| method | seed | rev KL | closed | fwd KL | closed | acc | samples | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| teacher | - | 0 | - | 0 | - | {res['teacher_accuracy']:.3f} | - | - |",
-        f"| student0 | - | {b['reverse_kl']:.3f} | 0 | {b['forward_kl']:.3f} | 0 | {b['accuracy']:.3f} | 0 | - |",
+        "| method | seed | rev KL | closed | fwd KL | closed | acc | closed | samples | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| teacher | - | 0 | - | 0 | - | {res['teacher_accuracy']:.3f} | - | - | - |",
+        f"| student0 | - | {b['reverse_kl']:.3f} | 0 | {b['forward_kl']:.3f} | 0 | {b['accuracy']:.3f} | 0 | 0 | - |",
     ]
     for r in res["runs"]:
         a, cl = r["after"], r["closed"]
         rows.append(
             f"| {r['method']} | {r['seed']} | {a['reverse_kl']:.3f} | {cl['reverse_kl']:+.3f} | {a['forward_kl']:.3f} "
-            f"| {cl['forward_kl']:+.3f} | {a['accuracy']:.3f} | {r['samples']} | {r['wall_s']:.0f} |"
+            f"| {cl['forward_kl']:+.3f} | {a['accuracy']:.3f} | {cl['accuracy']:+.3f} | {r['samples']} | {r['wall_s']:.0f} |"
         )
     for method in ("on-policy", "offline"):
         rs = [r for r in res["runs"] if r["method"] == method]
         if rs:
-            mean = {m: statistics.mean(r["closed"][m] for r in rs) for m in METRICS}
-            rows.append(f"| {method} mean | - | - | {mean['reverse_kl']:+.3f} | - | {mean['forward_kl']:+.3f} | - | - | - |")
+            mean = {m: statistics.mean(r["closed"][m] for r in rs) for m in (*METRICS, "accuracy")}
+            rows.append(
+                f"| {method} mean | - | - | {mean['reverse_kl']:+.3f} | - | {mean['forward_kl']:+.3f} | - "
+                f"| {mean['accuracy']:+.3f} | - | - |"
+            )
     notes = f"offline wall s includes the teacher's greedy answers ({res['teacher_answers_s']:.0f}s); total {res['total_s']:.0f}s"
     return head + "\n".join(rows) + "\n" + notes
 
@@ -268,13 +291,13 @@ def main(argv=None) -> int:
         traceback.print_exc()
         return 2
     ok, lines = verdict(res)
-    res["verdict"] = {"pass": ok, "rule": "on every seed, on-policy closes more of both gaps than offline", "lines": lines}
+    res["verdict"] = {"pass": ok, "rule": RULES[args.rule], "lines": lines}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     print(table(res))
     print("\n".join(lines))
-    print(f"VERDICT: {'PASS' if ok else 'MISS'} (rule: on every seed, on-policy closes more of both gaps than offline)")
+    print(f"VERDICT: {'PASS' if ok else 'MISS'} (rule {args.rule}: {RULES[args.rule]})")
     return 0 if ok else 1
 
 

@@ -12,10 +12,15 @@ _SESSION_TMP = Path(tempfile.mkdtemp(prefix="verl-core-tests-"))
 _THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 if _THREADS == 1:
     os.environ["OMP_NUM_THREADS"] = "1"
+# The workers of one run share what is costly to build and written atomically: the model cache (the tiny
+# model, SmolLM2's conversion; renamed into place under a lock) and the session's SFT policy (_build_once).
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+_SHARED_TMP = Path(tempfile.gettempdir()) / f"verl-core-tests-run-{_RUN_ID}" if _RUN_ID else _SESSION_TMP
+_SHARED_TMP.mkdir(exist_ok=True)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
-os.environ["VERL_CORE_CACHE"] = str(_SESSION_TMP / "cache")
+os.environ["VERL_CORE_CACHE"] = str(_SHARED_TMP / "cache")
 os.environ["HF_DATASETS_CACHE"] = str(_SESSION_TMP / "hf-datasets")
 os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect")  # before any prefect import
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
@@ -30,11 +35,6 @@ import torch  # noqa: E402
 
 torch.set_num_threads(_THREADS)
 SHARED_DATA = Path(os.environ.get("VERL_CORE_SHARED_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
-
-
-@pytest.fixture(scope="session")
-def session_tmp() -> Path:
-    return _SESSION_TMP
 
 
 @pytest.fixture(scope="session")
@@ -73,8 +73,25 @@ def small_lm():
     return build
 
 
+def _build_once(name: str, build) -> Path:
+    """``build(folder)`` once per test run, whichever worker asks first; the others wait for it (a file lock).
+    The folder is built under a temporary name and renamed, so a failed build leaves nothing to reuse."""
+    import fcntl
+    import shutil
+
+    target = _SHARED_TMP / name
+    with open(_SHARED_TMP / f".{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_dir():
+            partial = _SHARED_TMP / f".{name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            build(partial)
+            partial.rename(target)
+    return target
+
+
 @pytest.fixture(scope="session")
-def sft_path(tiny_path, session_tmp) -> Path:
+def sft_path(tiny_path) -> Path:
     """The default model after 900 SFT steps on the bundled task: exact match ~0.5 on held-out
     problems (room to improve), ~110 s on 2 cores in fp32 (``mixed_precision="no"``).
 
@@ -84,20 +101,22 @@ def sft_path(tiny_path, session_tmp) -> Path:
     from verl_core.algorithms.sft import SFTTrainer
     from verl_core.bundled import arithmetic
 
-    out = session_tmp / "sft"
-    common = dict(train_dataset=arithmetic.sft_rows(2000), batch_size=32, mixed_precision="no", progress=False, logging_steps=100)
-    SFTTrainer(
-        str(tiny_path), max_steps=300, learning_rate=3e-3, warmup_steps=20, output_dir=str(out / "phase1"), **common
-    ).train()
-    SFTTrainer(
-        str(out / "phase1" / "model"),
-        max_steps=600,
-        learning_rate=2e-3,
-        lr_scheduler="constant",
-        output_dir=str(out / "phase2"),
-        **common,
-    ).train()
-    return out / "phase2" / "model"
+    def build(out: Path) -> None:
+        rows = arithmetic.sft_rows(2000)
+        common = dict(train_dataset=rows, batch_size=32, mixed_precision="no", progress=False, logging_steps=100)
+        SFTTrainer(
+            str(tiny_path), max_steps=300, learning_rate=3e-3, warmup_steps=20, output_dir=str(out / "phase1"), **common
+        ).train()
+        SFTTrainer(
+            str(out / "phase1" / "model"),
+            max_steps=600,
+            learning_rate=2e-3,
+            lr_scheduler="constant",
+            output_dir=str(out / "phase2"),
+            **common,
+        ).train()
+
+    return _build_once("sft", build) / "phase2" / "model"
 
 
 @pytest.fixture()

@@ -14,9 +14,11 @@ if _THREADS == 1:
     os.environ["OMP_NUM_THREADS"] = "1"
 # The workers of one run share what is costly to build and written atomically: the model cache (the tiny
 # model, SmolLM2's conversion; renamed into place under a lock) and the session's SFT policy (_build_once).
-_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-_SHARED_TMP = Path(tempfile.gettempdir()) / f"verl-core-tests-run-{_RUN_ID}" if _RUN_ID else _SESSION_TMP
-_SHARED_TMP.mkdir(exist_ok=True)
+# The controller (or the only process) owns that folder: the workers it starts inherit its path, and
+# pytest_sessionfinish removes each process's own folder (the controller's last, after its workers).
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["VERL_CORE_TESTS_RUN_DIR"] = str(_SESSION_TMP)
+_SHARED_TMP = Path(os.environ.get("VERL_CORE_TESTS_RUN_DIR") or _SESSION_TMP)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -138,6 +140,13 @@ def prefect_harness():
 
 # Fixtures that train or start servers: a test using one is part of the slow subset.
 SLOW_FIXTURES = {"sft_path", "prefect_harness"}
+
+
+def pytest_sessionfinish(session):
+    """A run leaves no folder behind (SmolLM2's conversion alone is 0.5 GB)."""
+    import shutil
+
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 
 def pytest_addoption(parser):

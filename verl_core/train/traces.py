@@ -64,9 +64,11 @@ def _exporting_to(uri: str) -> Iterator[None]:
     try:
         yield
     finally:
-        random.setstate(state)
-        mlflow.flush_trace_async_logging()
-        mlflow.set_tracking_uri(before)
+        try:  # the export queue's thread may still draw ids: flush it before giving the stream back
+            mlflow.flush_trace_async_logging()
+        finally:
+            random.setstate(state)
+            mlflow.set_tracking_uri(before)
 
 
 def _one_trace(client, experiment_id: str, run_id: str, kind: str, step: int, index: int, sample: Sample) -> str:

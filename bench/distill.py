@@ -50,11 +50,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 RESULTS = Path(__file__).resolve().parent / "results" / "distill.json"
 METRICS = ("reverse_kl", "forward_kl")
+MIN_TASK_GAP = 0.10
 RULES = {
     "kl": "on every seed, on-policy closes more of both KL gaps than offline",
-    "accuracy": "the teacher >= 0.10 above the warm student, and on every seed on-policy closes more of that accuracy gap",
+    "accuracy": f"the teacher >= {MIN_TASK_GAP:.2f} above the warm student, and on every seed on-policy closes more of that "
+    "accuracy gap",
 }
-MIN_TASK_GAP = 0.10
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -30,7 +30,11 @@ Verdict, by ``--rule`` (each set before its runs): ``kl`` (the first rule): PASS
 closes more of the gap than offline on BOTH KL metrics. ``accuracy`` (set after ``kl`` missed, before any run
 under it): the task gap, (acc - acc0) / (teacher acc - acc0) on the held-out prompts; PASS when the teacher is
 clearly better (at least ``MIN_TASK_GAP`` above the warm student) and, on every seed, on-policy closes more of it
-than offline. Exit 0 PASS, 1 a miss, 2 a crash. Results: bench/results/distill.json.
+than offline. ``paired`` (set after ``accuracy`` passed by one problem in 200 per seed, before any run under it):
+the same task gap; on every seed on-policy more accurate than offline; and, pooled over the seeds, the held-out
+problems on-policy gets right and offline wrong outnumber the reverse by a one-sided exact sign test (McNemar's
+exact test) at p < ``MAX_SIGN_TEST_P``, so that a win by noise does not pass. Exit 0 PASS, 1 a miss, 2 a crash.
+Results: bench/results/distill.json.
 """
 
 from __future__ import annotations
@@ -51,10 +55,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 RESULTS = Path(__file__).resolve().parent / "results" / "distill.json"
 METRICS = ("reverse_kl", "forward_kl")
 MIN_TASK_GAP = 0.10
+MAX_SIGN_TEST_P = 0.05
 RULES = {
     "kl": "on every seed, on-policy closes more of both KL gaps than offline",
     "accuracy": f"the teacher >= {MIN_TASK_GAP:.2f} above the warm student, and on every seed on-policy closes more of that "
     "accuracy gap",
+    "paired": f"the teacher >= {MIN_TASK_GAP:.2f} above the warm student; on every seed on-policy more accurate than "
+    f"offline on the held-out problems; and, pooled over the seeds, on-policy right where offline is wrong more "
+    f"often than the reverse, one-sided exact sign test p < {MAX_SIGN_TEST_P}",
 }
 
 
@@ -182,7 +190,7 @@ def run(args) -> dict:
     base_model = LLMPolicy.from_pretrained(str(student_dir)).model
     base = held.score(base_model)
     del base_model
-    print(f"student0: {base}", flush=True)
+    print(f"student0: { {k: v for k, v in base.items() if k != 'correct'} }", flush=True)
 
     runs = []
     for seed in args.seeds:
@@ -210,7 +218,8 @@ def run(args) -> dict:
                 "history": history,
             }
             runs.append(row)
-            print(f"{method} seed {seed}: {after} closed {row['closed']} ({wall:.0f}s)", flush=True)
+            shown = {k: v for k, v in after.items() if k != "correct"}
+            print(f"{method} seed {seed}: {shown} closed {row['closed']} ({wall:.0f}s)", flush=True)
             del model
     return {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
@@ -228,8 +237,9 @@ def run(args) -> dict:
 def verdict(res: dict) -> tuple[bool, list[str]]:
     lines, ok = [], True
     by = {(r["method"], r["seed"]): r for r in res["runs"]}
-    metrics = METRICS if res["config"]["rule"] == "kl" else ("accuracy",)
-    if res["config"]["rule"] == "accuracy":
+    rule = res["config"]["rule"]
+    metrics = METRICS if rule == "kl" else ("accuracy",)
+    if rule in ("accuracy", "paired"):
         gap = res["teacher_accuracy"] - res["student0"]["accuracy"]
         ok = gap >= MIN_TASK_GAP
         lines.append(
@@ -246,7 +256,28 @@ def verdict(res: dict) -> tuple[bool, list[str]]:
             lines.append(
                 f"seed {seed} {m}: on-policy {on['closed'][m]:+.3f} vs offline {off['closed'][m]:+.3f} -> {'win' if win else 'MISS'}"
             )
+    if rule == "paired":
+        wins, losses, p = paired_counts(res)
+        ok &= p < MAX_SIGN_TEST_P
+        lines.append(
+            f"paired over {len(res['config']['seeds'])} seeds: on-policy right & offline wrong {wins}, offline right & "
+            f"on-policy wrong {losses}; one-sided sign test p = {p:.4f} -> "
+            f"{'win' if p < MAX_SIGN_TEST_P else 'MISS'} (needs < {MAX_SIGN_TEST_P})"
+        )
     return ok, lines
+
+
+def paired_counts(res: dict) -> tuple[int, int, float]:
+    """Discordant held-out problems pooled over seeds: (on-policy right & offline wrong, the reverse, sign-test p)."""
+    from bench.distill_eval import sign_test_p
+
+    by = {(r["method"], r["seed"]): r["after"]["correct"] for r in res["runs"]}
+    wins = losses = 0
+    for seed in res["config"]["seeds"]:
+        for on, off in zip(by[("on-policy", seed)], by[("offline", seed)]):
+            wins += on > off
+            losses += off > on
+    return wins, losses, sign_test_p(wins, losses)
 
 
 def table(res: dict) -> str:

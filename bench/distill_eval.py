@@ -96,14 +96,25 @@ class HeldOut:
     def score(self, student) -> dict[str, float]:
         samples = generate(student, self.tok, self.prompt_ids, self.max_new_tokens, 1.0, seed=EVAL_SAMPLE_SEED)
         greedy = response_texts(self.tok, generate(student, self.tok, self.prompt_ids, self.max_new_tokens, 0.0))
+        correct = [int(c) for c in numeric_match(greedy, self.truths)]
         return {
             "reverse_kl": mean_kl(student, self.teacher, samples),
             "forward_kl": mean_kl(self.teacher, student, self.teacher_greedy, p_cache=self._teacher_cache),
-            "accuracy": sum(numeric_match(greedy, self.truths)) / len(self.truths),
+            "accuracy": sum(correct) / len(self.truths),
             "sample_tokens": float(samples.response_mask.sum()),
+            "correct": correct,  # per held-out problem, for the paired rule
         }
 
 
 def gap_closed(before: float, after: float, target: float = 0.0) -> float:
     """The fraction of ``before - target`` that training removed (1: the teacher's value reached)."""
     return (before - after) / (before - target) if before != target else 0.0
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """One-sided exact sign test (McNemar's exact test on the discordant pairs): P(X >= wins) for
+    X ~ Binomial(wins + losses, 1/2), the chance of at least ``wins`` under "neither method is better"."""
+    from math import comb
+
+    n = wins + losses
+    return sum(comb(n, k) for k in range(wins, n + 1)) / 2**n if n else 1.0

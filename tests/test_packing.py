@@ -161,15 +161,14 @@ def test_packed_kto_rows_equal_padded(tiny_path, tok):
     examples = assign_kl_completions(tokenize_unpaired(rows, tok, 128), seed=0, max_length=128)
     model = _model(tiny_path)
     prompts = [e["prompt_ids"] for e in examples]
-    padded = collate_sequences(
-        prompts + prompts, [e["completion_ids"] for e in examples] + [e["kl_completion_ids"] for e in examples], tok.pad_token_id
-    )
     packed = packing.collate_packed_kto(examples, tok.pad_token_id)
     assert packed["labels"].tolist() == [e["label"] for e in examples]
-    with torch.no_grad():
-        s_pad = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"])
-        s_packed = sequence_logps(packed_forward.packed_token_logprobs(model, packed), packed["loss_mask"])
-    torch.testing.assert_close(s_packed, s_pad, rtol=1e-5, atol=1e-5)
+    for field, rows in (("completion_ids", packed), ("kl_completion_ids", packed["kl"])):  # target rows, KL rows
+        padded = collate_sequences(prompts, [e[field] for e in examples], tok.pad_token_id)
+        with torch.no_grad():
+            s_pad = sequence_logps(model_token_logprobs(model, padded), padded["loss_mask"])
+            s_packed = sequence_logps(packed_forward.packed_token_logprobs(model, rows), rows["loss_mask"])
+        torch.testing.assert_close(s_packed, s_pad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("share_prompt", [True, False])

@@ -8,10 +8,13 @@ The KL reference point ``z0`` is estimated from mismatched pairs: every example 
 is given, once, the completion of another example (``mismatched_indices`` applied to
 a seeded shuffle of the dataset, so never its own; a converted pair's two rows share
 a prompt, so the partner may rarely be the same prompt's other completion). A batch
-is then ``B`` target rows ``prompt_i + completion_i`` followed by ``B`` KL rows
-``prompt_i + completion_partner(i)``, scored in ONE forward pass; fixing the partner
-per example is what lets the reference side be precomputed like DPO's. With several
-processes ``z0`` is averaged across them (``accelerator.reduce(..., "mean")``).
+is then ``B`` target rows ``prompt_i + completion_i`` and, under ``batch["kl"]``, ``B`` KL
+rows ``prompt_i + completion_partner(i)``. z0 is detached (the paper backpropagates
+through no part of it), so the KL rows are scored by the policy in a forward without
+gradients: in the target rows' forward their activations would be kept for a backward
+that gives them nothing (at SmolLM2's shape that was ~1/6 of KTO's peak memory). Fixing
+the partner per example is what lets the reference side be precomputed like DPO's. With
+several processes ``z0`` is averaged across them (``accelerator.reduce(..., "mean")``).
 
 Label balance:
 
@@ -32,7 +35,7 @@ import math
 import torch
 from pydantic import Field
 
-from verl_core.algorithms.preference import PreferenceConfig, PreferenceTrainer, attach_reference
+from verl_core.algorithms.preference import REF_KEY, PreferenceConfig, PreferenceTrainer, attach_reference
 from verl_core.data import DataError, collate_sequences, tokenize_unpaired
 from verl_core.data.packing import collate_packed_kto
 from verl_core.losses.preference import kto_loss, mismatched_indices, sequence_logps
@@ -89,6 +92,7 @@ class KTOTrainer(PreferenceTrainer):
         return assign_kl_completions(examples, c.seed, c.max_length)
 
     def collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        """Target rows, their ``labels`` and the KL rows under ``"kl"`` (see the module docstring)."""
         c = self.config
         if c.packing:
             return attach_reference(
@@ -103,10 +107,16 @@ class KTOTrainer(PreferenceTrainer):
                 examples,
             )
         prompts = [e["prompt_ids"] for e in examples]
-        completions = [e["completion_ids"] for e in examples] + [e["kl_completion_ids"] for e in examples]
-        batch = collate_sequences(prompts + prompts, completions, self.tokenizer.pad_token_id)
+        batch = collate_sequences(prompts, [e["completion_ids"] for e in examples], self.tokenizer.pad_token_id)
+        batch["kl"] = collate_sequences(prompts, [e["kl_completion_ids"] for e in examples], self.tokenizer.pad_token_id)
         batch["labels"] = torch.tensor([e["label"] for e in examples], dtype=torch.bool)
         return attach_reference(batch, examples)
+
+    def reference_logps(self, model, batch: dict) -> torch.Tensor:
+        """``[2B]``: the target rows', then the KL rows' summed completion log-probs under the reference."""
+        if REF_KEY in batch:
+            return super().reference_logps(model, batch)
+        return torch.cat([super().reference_logps(model, batch), super().reference_logps(model, batch["kl"])])
 
     def _reduce_kl(self):
         acc = self.engine.accelerator if self.engine is not None else None
@@ -117,14 +127,16 @@ class KTOTrainer(PreferenceTrainer):
     def loss(self, model, batch: dict[str, torch.Tensor]) -> LossOutput:
         c = self.config
         logps = sequence_logps(model_token_logprobs(model, batch), batch["loss_mask"])
+        with torch.no_grad():
+            kl_logps = sequence_logps(model_token_logprobs(model, batch["kl"]), batch["kl"]["loss_mask"])
         ref = self.reference_logps(model, batch)
         labels = batch["labels"]
         n = labels.shape[0]
         out = kto_loss(
-            logps[:n],
+            logps,
             ref[:n],
             labels,
-            logps[n:],
+            kl_logps,
             ref[n:],
             c.beta,
             c.desirable_weight,
@@ -138,7 +150,7 @@ class KTOTrainer(PreferenceTrainer):
             "rewards/chosen": chosen,
             "rewards/rejected": rejected,
             "rewards/margins": chosen - rejected,
-            "logps/chosen": _class_mean(logps[:n].detach(), labels),
-            "logps/rejected": _class_mean(logps[:n].detach(), ~labels),
+            "logps/chosen": _class_mean(logps.detach(), labels),
+            "logps/rejected": _class_mean(logps.detach(), ~labels),
         }
         return LossOutput(loss_sum=out.losses.sum(), count=n, metrics=metrics)

@@ -1,8 +1,9 @@
 """What the preference trainers (DPO family, KTO) share: the reference model.
 
-Every collated batch these trainers make has ``2B`` rows, a *first* half and a
-*second* half (DPO: chosen | rejected; KTO: target | KL pair), so one forward pass
-scores both. The reference log-prob of each row comes from, in this order:
+Every example has two rows, a *first* and a *second* (DPO: chosen | rejected, one
+collated batch of ``2B`` rows, so one forward pass scores both; KTO: target | KL pair,
+the KL rows in a batch of their own under ``batch["kl"]``). The reference log-probs are
+``[2B]``, first halves then second halves; each comes from, in this order:
 
 1. ``batch["ref_logps"]`` when it was precomputed (``precompute_ref_logps``; "auto", the default,
    precomputes whenever the run reads every example at least once):
@@ -39,7 +40,7 @@ from verl_core.data.formats import LongPromptPolicy
 from verl_core.losses.preference import sequence_logps
 from verl_core.modeling.loading import LoraSettings, is_peft, load_causal_lm
 from verl_core.modeling.packed_forward import model_token_logprobs
-from verl_core.train.batches import steps_for
+from verl_core.train.batches import steps_for, to_device
 from verl_core.train.config import TrainConfig
 from verl_core.train.engine import Engine
 from verl_core.train.precision import allow_precision_change
@@ -200,7 +201,7 @@ class PreferenceTrainer(OfflineTrainer):
         try:
             for start in range(0, len(examples), size):
                 chunk = [{k: v for k, v in e.items() if k != REF_KEY} for e in examples[start : start + size]]
-                batch = {k: v.to(device) for k, v in self.collate(chunk).items()}
+                batch = to_device(self.collate(chunk), device)
                 logps = self.reference_logps(model, batch).cpu().tolist()
                 for i, example in enumerate(examples[start : start + size]):
                     example[REF_KEY] = (logps[i], logps[len(chunk) + i])

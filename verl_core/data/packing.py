@@ -217,10 +217,14 @@ def collate_packed_pairs(
 def collate_packed_kto(
     examples: list[dict], pad_id: int, share_prompt: bool = True, row_capacity: RowCapacity = None, **flags: bool
 ) -> dict[str, torch.Tensor]:
-    """Packed KTO batch: logical rows target ``0..B-1`` (prompt + completion), KL ``B..2B-1``
-    (prompt + ``kl_completion_ids``), plus ``labels``; the prompt is shared by both."""
-    fields = ("completion_ids", "kl_completion_ids")
-    batch = _collate_fields(examples, fields, pad_id, share_prompt, row_capacity, **flags)
+    """Packed KTO batch: the target rows ``0..B-1`` (prompt + completion) plus ``labels``, and under
+    ``"kl"`` a packed batch of its own with the KL rows (prompt + ``kl_completion_ids``).
+
+    The KL rows feed only the detached reference point z0, so the trainer scores them in a separate
+    forward without gradients: sharing their prompt with the target rows would keep their
+    activations for a backward pass that gives them no gradient."""
+    batch = _collate_fields(examples, ("completion_ids",), pad_id, share_prompt, row_capacity, **flags)
+    batch["kl"] = _collate_fields(examples, ("kl_completion_ids",), pad_id, share_prompt, row_capacity, **flags)
     batch["labels"] = torch.tensor([e["label"] for e in examples], dtype=torch.bool)
     return batch
 

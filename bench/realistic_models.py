@@ -43,8 +43,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import harness
@@ -235,21 +233,10 @@ def _cache_root(spec: RealSpec) -> Path:
 
 
 def _build_atomically(target: Path, build) -> Path:
-    """``build(tmp_folder)`` under a temporary name, renamed into place (a crash leaves nothing half-built)."""
-    if (target / "config.json").is_file() or (target / "tokenizer.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
-    try:
-        build(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished first
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """``build(tmp_folder)`` once, renamed into place (``verl_core``'s :func:`build_folder_once`)."""
+    from verl_core.modeling.model_files import build_folder_once
+
+    return build_folder_once(target, build, done=lambda t: (t / "config.json").is_file() or (t / "tokenizer.json").is_file())
 
 
 def tokenizer_path(spec: RealSpec) -> Path:

@@ -78,18 +78,9 @@ def small_lm():
 def _build_once(name: str, build) -> Path:
     """``build(folder)`` once per test run, whichever worker asks first; the others wait for it (a file lock).
     The folder is built under a temporary name and renamed, so a failed build leaves nothing to reuse."""
-    import fcntl
-    import shutil
+    from verl_core.modeling.model_files import build_folder_once
 
-    target = _SHARED_TMP / name
-    with open(_SHARED_TMP / f".{name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.is_dir():
-            partial = _SHARED_TMP / f".{name}.partial"
-            shutil.rmtree(partial, ignore_errors=True)
-            build(partial)
-            partial.rename(target)
-    return target
+    return build_folder_once(_SHARED_TMP / name, build)
 
 
 @pytest.fixture(scope="session")

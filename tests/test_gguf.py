@@ -93,8 +93,8 @@ def tiny_llama(tmp_path_factory):
 
 
 def _folders(root: Path) -> list[str]:
-    """Everything in a cache except its lock file: converted folders and leftover temporary ones."""
-    return sorted(p.name for p in root.iterdir() if p.name != ".convert.lock") if root.exists() else []
+    """Everything in a cache except its lock files: converted folders and leftover temporary ones."""
+    return sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) if root.exists() else []
 
 
 def test_gguf_converts_once_into_a_folder_keyed_by_content(tiny_llama, tmp_path, monkeypatch):

@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from pydantic import Field
@@ -95,25 +93,17 @@ def tiny_model_path(config: TinyModelConfig | None = None, cache_dir: str | Path
     """Folder of the embedded default model + tokenizer, built on first use.
 
     The folder is written under a temporary name and renamed into place, so a
-    crash mid-build never leaves a folder that looks complete.
+    crash mid-build never leaves a folder that looks complete; processes that ask
+    at once build it once (:func:`~verl_core.modeling.model_files.build_folder_once`).
     """
+    from verl_core.modeling.model_files import build_folder_once
+
     config = config or TinyModelConfig()
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    target = root / f"tiny-llama-{config.fingerprint()}"
-    if (target / "config.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=root))
-    try:
+
+    def build(folder: Path) -> None:
         tokenizer = build_tokenizer(config.vocab_size)
-        model = build_model(config, tokenizer)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        build_model(config, tokenizer).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return build_folder_once(root / f"tiny-llama-{config.fingerprint()}", build, done=lambda t: (t / "config.json").is_file())

@@ -15,16 +15,13 @@ never used), one conversion at a time per cache (a file lock), and an error leav
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from verl_core.bundled.tiny_model import default_cache_dir
-from verl_core.modeling.model_files import ModelLoadError, remove_partial_writes
+from verl_core.modeling.model_files import ModelLoadError, build_folder_once
 
 GGUF_MAGIC = b"GGUF"
 GGUF_SUFFIX = ".gguf"
@@ -107,22 +104,6 @@ def check_gguf_file(path: str | os.PathLike) -> str:
     return arch
 
 
-@contextlib.contextmanager
-def _conversion_lock(root: Path):
-    """One conversion at a time per cache: a second process waits, then finds the folder done."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX: the atomic rename alone keeps the cache sound
-        yield
-        return
-    with open(root / ".convert.lock", "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _done(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / SOURCE_RECORD).is_file()
 
@@ -144,20 +125,7 @@ def converted_folder(path: str | os.PathLike, cache_dir: str | os.PathLike | Non
     if _done(target):
         return target
     arch = check_gguf_file(file)
-    root.mkdir(parents=True, exist_ok=True)
-    with _conversion_lock(root):
-        if _done(target):  # another process converted it while this one waited
-            return target
-        remove_partial_writes(target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-{os.getpid()}-", dir=root))
-        try:
-            _convert(file, tmp, arch, sha)
-            if target.exists():  # a folder without its record: an interrupted copy by hand, never ours
-                shutil.rmtree(target)
-            tmp.rename(target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_folder_once(target, lambda tmp: _convert(file, tmp, arch, sha), done=_done)
 
 
 def _convert(file: Path, out: Path, arch: str, sha: str) -> None:

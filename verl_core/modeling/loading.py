@@ -13,7 +13,7 @@ from pydantic import Field
 
 from verl_core.config import StrictConfig
 from verl_core.data.hub import hub_id, hub_offline, not_found_hint
-from verl_core.modeling.model_files import ModelLoadError, remove_partial_writes
+from verl_core.modeling.model_files import ModelLoadError, write_then_rename
 from verl_core.train.progress import quiet_library_bars
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -201,22 +201,12 @@ def save_pretrained_atomic(model, tokenizer, target: str | os.PathLike) -> Path:
     A LoRA model is merged into its base first, so the folder loads with plain
     ``from_pretrained``. A crash mid-write leaves no folder at ``target``.
     """
-    import shutil
-    import tempfile
-
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     if is_peft(model):
         model = model.merge_and_unload()
-    remove_partial_writes(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-{os.getpid()}-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+            tokenizer.save_pretrained(folder)
+
+    return write_then_rename(target, write)

@@ -62,13 +62,21 @@ def build_folder_once(
     with _folder_lock(target):
         if done(target):  # another process built it while this one waited
             return target
-        remove_partial_writes(target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-{os.getpid()}-", dir=target.parent))
-        try:
-            build(tmp)
-            if target.exists():
-                shutil.rmtree(target)
-            tmp.rename(target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        return write_then_rename(target, build)
+
+
+def write_then_rename(target: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """``write(folder)`` into a temporary sibling ``.<name>-<pid>-*``, then rename it to ``target`` (replacing
+    what was there): a crash mid-write leaves no folder at ``target``, and leftovers of killed writers go."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_partial_writes(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-{os.getpid()}-", dir=target.parent))
+    try:
+        write(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target

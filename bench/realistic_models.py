@@ -233,8 +233,8 @@ def _cache_root(spec: RealSpec) -> Path:
 
 
 def _build_atomically(target: Path, build) -> Path:
-    """``build(tmp_folder)`` once, renamed into place (``verl_core``'s :func:`build_folder_once`)."""
-    from verl_core.modeling.model_files import build_folder_once
+    """``build(tmp_folder)`` once, renamed into place (verl_core.processes.build_folder_once)."""
+    from verl_core.processes import build_folder_once
 
     return build_folder_once(target, build, done=lambda t: (t / "config.json").is_file() or (t / "tokenizer.json").is_file())
 

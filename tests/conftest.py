@@ -78,7 +78,7 @@ def small_lm():
 def _build_once(name: str, build) -> Path:
     """``build(folder)`` once per test run, whichever worker asks first; the others wait for it (a file lock).
     The folder is built under a temporary name and renamed, so a failed build leaves nothing to reuse."""
-    from verl_core.modeling.model_files import build_folder_once
+    from verl_core.processes import build_folder_once
 
     return build_folder_once(_SHARED_TMP / name, build)
 

@@ -94,9 +94,9 @@ def tiny_model_path(config: TinyModelConfig | None = None, cache_dir: str | Path
 
     The folder is written under a temporary name and renamed into place, so a
     crash mid-build never leaves a folder that looks complete; processes that ask
-    at once build it once (:func:`~verl_core.modeling.model_files.build_folder_once`).
+    at once build it once (:func:`~verl_core.processes.build_folder_once`).
     """
-    from verl_core.modeling.model_files import build_folder_once
+    from verl_core.processes import build_folder_once
 
     config = config or TinyModelConfig()
     root = Path(cache_dir) if cache_dir else default_cache_dir()

@@ -21,7 +21,8 @@ import os
 from pathlib import Path
 
 from verl_core.bundled.tiny_model import default_cache_dir
-from verl_core.modeling.model_files import ModelLoadError, build_folder_once
+from verl_core.modeling.model_files import ModelLoadError
+from verl_core.processes import build_folder_once
 
 GGUF_MAGIC = b"GGUF"
 GGUF_SUFFIX = ".gguf"

@@ -13,7 +13,8 @@ from pydantic import Field
 
 from verl_core.config import StrictConfig
 from verl_core.data.hub import hub_id, hub_offline, not_found_hint
-from verl_core.modeling.model_files import ModelLoadError, write_then_rename
+from verl_core.modeling.model_files import ModelLoadError
+from verl_core.processes import write_then_rename
 from verl_core.train.progress import quiet_library_bars
 
 DType = Literal["float32", "bfloat16", "float16"]

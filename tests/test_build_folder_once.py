@@ -1,4 +1,4 @@
-"""build_folder_once: the one build-then-rename of a cached folder (tiny model, GGUF conversion, benches, tests)."""
+"""verl_core.processes.build_folder_once: the one build-then-rename of a cached folder (tiny model, GGUF, benches, tests)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_core.modeling.model_files import build_folder_once
+from verl_core.processes import build_folder_once
 
 
 def _slow_build(folder: Path, log: Path) -> None:

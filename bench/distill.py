@@ -137,6 +137,11 @@ def train_offline(student_dir: Path, rows: list[dict], args, seed: int, out: Pat
     return trainer.model, {"loss": [round(v, 4) for _, v in result.history.get("loss", [])]}
 
 
+def _shown(scores: dict) -> dict:
+    """A student's scores for the progress log: without the per-problem ``correct`` list."""
+    return {k: v for k, v in scores.items() if k != "correct"}
+
+
 def run(args) -> dict:
     import torch
 
@@ -190,7 +195,7 @@ def run(args) -> dict:
     base_model = LLMPolicy.from_pretrained(str(student_dir)).model
     base = held.score(base_model)
     del base_model
-    print(f"student0: { {k: v for k, v in base.items() if k != 'correct'} }", flush=True)
+    print(f"student0: {_shown(base)}", flush=True)
 
     runs = []
     for seed in args.seeds:
@@ -218,8 +223,7 @@ def run(args) -> dict:
                 "history": history,
             }
             runs.append(row)
-            shown = {k: v for k, v in after.items() if k != "correct"}
-            print(f"{method} seed {seed}: {shown} closed {row['closed']} ({wall:.0f}s)", flush=True)
+            print(f"{method} seed {seed}: {_shown(after)} closed {row['closed']} ({wall:.0f}s)", flush=True)
             del model
     return {
         "config": {k: v for k, v in vars(args).items() if k != "out"},

@@ -5,18 +5,18 @@ from __future__ import annotations
 from bench import distill
 from bench.distill_eval import sign_test_p
 
+TEACHER = 0.3
+
 
 def _result(on_correct: list[list[int]], off_correct: list[list[int]], student0: float = 0.05) -> dict:
     runs = []
     for seed, (on, off) in enumerate(zip(on_correct, off_correct)):
         for method, correct in (("on-policy", on), ("offline", off)):
-            acc = sum(correct) / len(correct)
-            runs.append(
-                {"method": method, "seed": seed, "after": {"correct": correct}, "closed": {"accuracy": (acc - student0) / 0.25}}
-            )
+            closed = (sum(correct) / len(correct) - student0) / (TEACHER - student0)
+            runs.append({"method": method, "seed": seed, "after": {"correct": correct}, "closed": {"accuracy": closed}})
     return {
         "config": {"rule": "paired", "seeds": list(range(len(on_correct)))},
-        "teacher_accuracy": 0.3,
+        "teacher_accuracy": TEACHER,
         "student0": {"accuracy": student0},
         "runs": runs,
     }

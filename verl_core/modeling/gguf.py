@@ -10,7 +10,8 @@ Cache: ``$VERL_CORE_MODEL_CACHE``, else ``<VERL_CORE_CACHE or ~/.cache/verl_core
 file named ``gguf-<first 16 hex of the sha256 of its bytes>-v<CONVERT_VERSION>``: the key is the content alone,
 so a renamed or copied file reuses the folder and an edited one does not (``verl_core_gguf.json`` inside names
 the source). The folder is written under a temporary name and renamed into place (a half-written folder is
-never used), one conversion at a time per cache (a file lock), and an error leaves no folder behind.
+never used), one conversion of a file at a time (a file lock beside its folder), and an error leaves no folder
+behind (:func:`verl_core.processes.build_folder_once`).
 """
 
 from __future__ import annotations

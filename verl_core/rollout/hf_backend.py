@@ -11,6 +11,7 @@ import torch
 
 from verl_core.data import pad_to
 from verl_core.rollout.contract import RolloutBatch, SamplingParams, concat_chunks, position_ids_from_mask
+from verl_core.rollout.decode_kernels import cpu_decode_kernels
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -77,10 +78,11 @@ class HFRolloutBackend:
         self.model.eval()
         try:
             size = params.batch_size
-            chunks = [
-                self._generate_chunk(rows[s : s + size], params, gen[s : s + size] if isinstance(gen, list) else gen, device)
-                for s in range(0, len(rows), size)
-            ]
+            with cpu_decode_kernels(self.model):
+                chunks = [
+                    self._generate_chunk(rows[s : s + size], params, gen[s : s + size] if isinstance(gen, list) else gen, device)
+                    for s in range(0, len(rows), size)
+                ]
         finally:
             self.model.train(was_training)
         batch = concat_chunks(chunks, self.pad_token_id)
@@ -99,7 +101,7 @@ class HFRolloutBackend:
         else:
             with torch.autocast(device_type=kwargs["input_ids"].device.type, dtype=self.autocast_dtype):
                 out = self.model(**kwargs, use_cache=True)
-        return out.logits[:, -1], out.get(self._cache_kw)
+        return out.logits[:, -1].contiguous(), out.get(self._cache_kw)
 
     def _generate_chunk(
         self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator | list[torch.Generator], device: torch.device

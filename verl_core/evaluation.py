@@ -8,6 +8,7 @@ import torch
 
 from verl_core.data import collate_pairs, pad_to, tokenize_pairs, tokenize_prompts
 from verl_core.modeling.packed_forward import model_token_logprobs
+from verl_core.rollout.decode_kernels import cpu_decode_kernels
 
 
 @torch.no_grad()
@@ -32,14 +33,15 @@ def greedy_completions(
         chunk = [prompt_ids[i] for i in order[start : start + batch_size]]
         ids = pad_to(chunk, tokenizer.pad_token_id, side="left").to(device)
         mask = pad_to([[1] * len(p) for p in chunk], 0, side="left").to(device)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
+        with cpu_decode_kernels(model):
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
         texts += tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
     model.train(was_training)
     by_row = [""] * len(order)

@@ -77,6 +77,20 @@ def test_precomputed_reference_gives_the_same_losses_as_on_the_fly(tiny_path, pa
     assert abs(pre_result.metrics["eval/loss"] - live_result.metrics["eval/loss"]) < 1e-6
 
 
+def test_the_reference_pass_shows_its_progress_before_the_first_step(tiny_path, pairs, capsys, monkeypatch):
+    from verl_core.train import progress
+
+    monkeypatch.setattr(progress, "_logged", lambda: False)  # printed, not sent to a Prefect logger
+    trainer = DPOTrainer(
+        str(tiny_path), train_dataset=pairs, max_steps=1, batch_size=8, precompute_ref_logps=True, logging_steps=1
+    )
+    trainer.train()
+    lines = capsys.readouterr().err.splitlines()
+    ref = [i for i, line in enumerate(lines) if line.startswith("reference log-probs: 32/32 examples (100%)")]
+    train = [i for i, line in enumerate(lines) if "1/1 steps" in line]
+    assert ref and train and ref[0] < train[0], lines
+
+
 @pytest.mark.slow
 def test_precompute_frees_an_explicit_reference_model(tiny_path, pairs):
     trainer = DPOTrainer(

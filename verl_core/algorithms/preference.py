@@ -44,6 +44,7 @@ from verl_core.train.batches import steps_for, to_device
 from verl_core.train.config import TrainConfig
 from verl_core.train.engine import Engine
 from verl_core.train.precision import allow_precision_change
+from verl_core.train.progress import progress_bar
 
 REF_KEY = "ref_logps"
 
@@ -198,6 +199,9 @@ class PreferenceTrainer(OfflineTrainer):
         # results) whether the micro-batches of a step run in one process or are spread over several
         processes = self.engine.accelerator.num_processes if self.engine is not None else 1
         size = max(1, self.config.batch_size // (self.config.gradient_accumulation_steps * processes))
+        # minutes on a real model before the first step: a user sees it move
+        show = self.engine is None or (self.engine.config.progress and self.engine.is_main)
+        bar = progress_bar(len(examples), desc="reference log-probs", unit="example", disable=not show)
         try:
             for start in range(0, len(examples), size):
                 chunk = [{k: v for k, v in e.items() if k != REF_KEY} for e in examples[start : start + size]]
@@ -205,7 +209,9 @@ class PreferenceTrainer(OfflineTrainer):
                 logps = self.reference_logps(model, batch).cpu().tolist()
                 for i, example in enumerate(examples[start : start + size]):
                     example[REF_KEY] = (logps[i], logps[len(chunk) + i])
+                bar.update(len(chunk))
         finally:
+            bar.close()
             self._precomputing = False
             policy.train(was_training)
 

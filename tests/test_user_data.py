@@ -13,6 +13,8 @@ from verl_core.config import ConfigError
 from verl_core.data import DataError
 from verl_core.data.columns import map_columns
 from verl_core.pipeline import load_pipeline_config, run_stage
+from verl_core.pipeline.data import load_data, prompt_rows
+from verl_core.pipeline.evaluation import judge_accuracy
 from verl_core.pipeline.registry import STAGE_ORDER, given_record, stage_enabled, stage_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,3 +138,10 @@ def test_hh_rlhf_recipe_runs_sft_reward_model_then_dpo_on_implicit_prompt_pairs(
     assert records["policy_optimisation"].fingerprint != records["sft"].fingerprint
     metrics = json.loads((Path(records["evaluation"].output_path) / "results.json").read_text())["metrics"]
     assert {"reward_score/sft", "reward_score/final"} <= set(metrics) and "accuracy/final" not in metrics
+    # the judge's own held-out accuracy; with every pair's answers swapped it is exactly the complement
+    accuracy = metrics["reward_model_accuracy/held_out"]
+    assert metrics["reward_model_accuracy/pairs"] == 4
+    rows = prompt_rows(load_data(config.evaluation.data, None, "evaluation.data"))
+    swapped = [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in rows]
+    rm = records["reward_model"].output_path
+    assert judge_accuracy(rm, swapped, 4)["reward_model_accuracy/held_out"] == pytest.approx(1 - accuracy)

@@ -284,7 +284,10 @@ class EvaluationStageConfig(StrictConfig):
     max_prompt_length: int = Field(256, ge=1, description="a longer prompt is an error naming its row")
     include_base: bool = True
     implicit_reward_rows: int = Field(
-        100, ge=0, description="chosen/rejected rows for the held-out implicit-reward accuracy of a policy trained on pairs"
+        100,
+        ge=0,
+        description="held-out chosen/rejected rows for the implicit-reward accuracy of a policy trained on pairs"
+        " and the reward model's own accuracy",
     )
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="the engine of the greedy answers: hf | vllm")
 

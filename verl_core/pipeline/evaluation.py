@@ -164,6 +164,25 @@ def _implicit_reward_accuracy(ctx: StageContext, rows: list[dict], final) -> dic
     return {"implicit_reward_accuracy/final": round(float((margins[0] > margins[1]).float().mean()), 4)}
 
 
+def judge_accuracy(reward_model: str, rows: list[dict], n: int) -> dict[str, float]:
+    """How far the win rate's judge can be trusted: the share of the first ``n`` held-out pairs of ``rows``
+    on which the reward model at ``reward_model`` scores the chosen answer above the rejected one, read
+    exactly as it reads the policies' answers (the prompt, then the answer alone)."""
+    from verl_core.rewards.model import RewardModel
+
+    pairs = _completions_only([r for r in rows if r.get("chosen") is not None and r.get("rejected") is not None][:n])
+    if not pairs:
+        return {}
+    log.info("evaluation: the reward model's own accuracy on %d held-out pairs", len(pairs))
+    judge = RewardModel.from_pretrained(reward_model)
+    prompts = [p["prompt"] for p in pairs]
+    chosen, rejected = judge.score(prompts, [p["chosen"] for p in pairs]), judge.score(prompts, [p["rejected"] for p in pairs])
+    return {
+        "reward_model_accuracy/held_out": round(float((chosen > rejected).float().mean()), 4),
+        "reward_model_accuracy/pairs": float(len(pairs)),
+    }
+
+
 def _completions_only(pairs: list[dict]) -> list[dict]:
     """Pairs whose chosen/rejected hold only the answer after the prompt (as the trainers read them):
     an implicit-prompt pair (HH) repeats its prompt at the start of both."""
@@ -225,6 +244,8 @@ def evaluation_stage(ctx: StageContext) -> StageOutput:
             win_rate(scored[final.fingerprint].reward_model_scores, scored[ctx.inputs["base"].fingerprint].reward_model_scores)
         )
     metrics.update(_implicit_reward_accuracy(ctx, rows, final))
+    if rm is not None:
+        metrics.update(judge_accuracy(rm.output_path, rows, c.implicit_reward_rows))
     if "accuracy/final" in metrics:
         metrics["accuracy_gain"] = round(metrics["accuracy/final"] - metrics["accuracy/sft"], 6)  # 0.08 - 0.06 shows as 0.02
     samples = answer_samples(rows, scored[final.fingerprint].answers, c.reward)
@@ -255,7 +276,7 @@ STEP = Step(
     stages=[
         Stage(
             "evaluation",
-            version="eval-2",
+            version="eval-3",
             fn=evaluation_stage,
             inputs=("base", "sft"),
             optional=("policy_optimisation", "reward_model"),

@@ -185,9 +185,9 @@ class OfflineTrainer:
     def train(self) -> TrainResult:
         total = steps_for(self.config, len(self.train_examples))
         self.engine = Engine(self.model, self.config, self.callbacks, total_steps=total)
-        self.before_training(self.engine)
-        if self.engine.is_main:
+        if self.engine.is_main:  # before the hook: a reference pass can take minutes
             log.info("%s: %s", type(self).__name__, describe(self.speed_features))
+        self.before_training(self.engine)
         speed = {f"speed/{k}": v for k, v in self.speed_features.items() if k != "fallbacks"}
         result = self.engine.fit(
             self.train_examples,

@@ -126,6 +126,17 @@ def test_gguf_converts_once_into_a_folder_keyed_by_content(tiny_llama, tmp_path,
     assert _folders(cache) == [folder.name]
 
 
+def test_off_a_terminal_the_conversion_shows_progress_lines_not_bar_frames(tiny_llama, tmp_path, capsys, monkeypatch):
+    from verl_core.train import progress
+
+    monkeypatch.setattr(progress, "_logged", lambda: False)  # printed, not sent to a Prefect logger
+    gguf_source.converted_folder(tiny_llama[0], tmp_path / "cache")
+    err = capsys.readouterr().err
+    assert "\r" not in err and "it/s" not in err, err[:300]  # no tqdm frame
+    assert any(line.startswith("Converting and de-quantizing GGUF tensors: ") for line in err.splitlines()), err[:300]
+    assert progress.on_terminal() is False  # what the test relies on: pytest captures both streams
+
+
 def test_every_model_path_takes_a_gguf_file(tiny_llama, tmp_path, monkeypatch):
     """check_model_source is where trainers, policies, references and reward models resolve paths."""
     file, _, _ = tiny_llama

@@ -16,6 +16,7 @@ behind (:func:`verl_core.processes.build_folder_once`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -140,8 +141,9 @@ def _convert(file: Path, out: Path, arch: str, sha: str) -> None:
 
     quiet_library_bars()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-        model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
+        with _tensor_progress_as_lines():
+            tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+            model = AutoModelForCausalLM.from_pretrained(str(file.parent), gguf_file=file.name, dtype=torch.float32)
     except Exception as err:
         if "not supported" in str(err):
             raise ModelLoadError(
@@ -168,6 +170,34 @@ def _convert(file: Path, out: Path, arch: str, sha: str) -> None:
         "gguf": _gguf_version(),
     }
     (out / SOURCE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _tensor_progress_as_lines():
+    """Off a terminal, transformers' per-tensor GGUF bar (a bare ``tqdm``, which ``quiet_library_bars`` does
+    not reach) would write hundreds of carriage-return frames into a log: show it as progress lines."""
+    from verl_core.train.progress import LineProgress, on_terminal
+
+    try:
+        import transformers.modeling_gguf_pytorch_utils as reader
+    except ImportError:  # pragma: no cover - moved in another transformers: its bar stays
+        reader = None
+    if on_terminal() or reader is None or not hasattr(reader, "tqdm"):
+        yield
+        return
+
+    def lines(items, desc: str = "", **_: object):
+        items = list(items)
+        with LineProgress(len(items), desc=desc.rstrip(". ") or "GGUF tensors", unit="tensor") as bar:
+            for item in items:
+                yield item
+                bar.update()
+
+    original, reader.tqdm = reader.tqdm, lines
+    try:
+        yield
+    finally:
+        reader.tqdm = original
 
 
 def _gguf_version() -> str | None:

@@ -32,6 +32,7 @@ from verl_core.pipeline.config import PipelineConfig, load_pipeline_config
 from verl_core.pipeline.form import DEFAULT_CONFIG_FILE, config_file_or_default
 from verl_core.pipeline.preflight import preflight
 from verl_core.pipeline.registry import STAGE_ORDER
+from verl_core.pipeline.run_summary import comparison_lines
 
 DEFAULT_CONFIG = Path(DEFAULT_CONFIG_FILE)
 
@@ -106,6 +107,8 @@ def _report(result, config: PipelineConfig) -> None:
     if result.records.get("evaluation"):
         print("\nevaluation (held-out):")
         print(format_table(result.evaluation_table))
+        for line in comparison_lines(result.records["evaluation"].metrics):
+            print(line)
     print()
     for line in ui_locations(config):
         print(line)

@@ -6,7 +6,7 @@ import time
 
 from verl_core.pipeline import PipelineConfig, StageRecord, load_pipeline_config
 from verl_core.pipeline.keys import section_for_key
-from verl_core.pipeline.run_summary import headline_metrics, key_params, pipeline_run_name, prefect_flow_run_url
+from verl_core.pipeline.run_summary import comparison_lines, headline_metrics, key_params, pipeline_run_name, prefect_flow_run_url
 from verl_core.train.precision import resolve_mixed_precision
 
 
@@ -34,6 +34,27 @@ def test_headline_metrics_come_from_the_stage_records():
         "accuracy/final": 0.6,
         "reward_model/eval_accuracy": 0.9,
     }
+
+
+def test_comparisons_read_as_sentences_with_the_interval_and_only_when_measured():
+    hh = {
+        "win_rate/final_vs_base": 0.59,
+        "win_rate/ci95_low": 0.522,
+        "win_rate/ci95_high": 0.658,
+        "win_rate/prompts": 200.0,
+        "reward_model_accuracy/held_out": 0.61,
+        "reward_model_accuracy/pairs": 100.0,
+        "implicit_reward_accuracy/final": 0.63,
+    }
+    assert comparison_lines(hh) == [
+        "win rate of the final policy over the base model (reward model, 200 prompts): 0.590 (95% interval 0.522-0.658)",
+        "the reward model's own accuracy on 100 held-out pairs: 0.610",
+        "held-out implicit-reward accuracy of the final policy: 0.630",
+    ]
+    assert comparison_lines({"accuracy/final": 0.6, "accuracy_gain": 0.1}) == [
+        "accuracy gain of the final policy over the SFT policy: +0.100"
+    ]
+    assert comparison_lines({"accuracy/final": 0.6}) == []
 
 
 def test_prefect_link_only_with_a_server(monkeypatch):

@@ -25,6 +25,9 @@ HEADLINE = {
     ("evaluation", "accuracy_gain"): "accuracy_gain",
     ("evaluation", "reward_score/sft"): "reward_score/sft",
     ("evaluation", "reward_score/final"): "reward_score/final",
+    ("evaluation", "win_rate/final_vs_base"): "win_rate/final_vs_base",
+    ("evaluation", "implicit_reward_accuracy/final"): "implicit_reward_accuracy/final",
+    ("evaluation", "reward_model_accuracy/held_out"): "reward_model_accuracy/held_out",
     ("reward_model", "eval/accuracy"): "reward_model/eval_accuracy",
 }
 
@@ -68,6 +71,27 @@ def headline_metrics(records: dict[str, StageRecord | None]) -> dict[str, float]
         if rec is not None and metric in rec.metrics:
             out[name] = rec.metrics[metric]
     return out
+
+
+def comparison_lines(metrics: dict[str, float]) -> list[str]:
+    """The evaluation's comparisons as sentences for the end of a run (the per-policy table shows the rest)."""
+    lines = []
+    if "win_rate/final_vs_base" in metrics:
+        lines.append(
+            f"win rate of the final policy over the base model (reward model, {metrics['win_rate/prompts']:.0f} prompts): "
+            f"{metrics['win_rate/final_vs_base']:.3f} (95% interval {metrics['win_rate/ci95_low']:.3f}"
+            f"-{metrics['win_rate/ci95_high']:.3f})"
+        )
+    if "reward_model_accuracy/held_out" in metrics:
+        lines.append(
+            f"the reward model's own accuracy on {metrics['reward_model_accuracy/pairs']:.0f} held-out pairs: "
+            f"{metrics['reward_model_accuracy/held_out']:.3f}"
+        )
+    if "implicit_reward_accuracy/final" in metrics:
+        lines.append(f"held-out implicit-reward accuracy of the final policy: {metrics['implicit_reward_accuracy/final']:.3f}")
+    if "accuracy_gain" in metrics:
+        lines.append(f"accuracy gain of the final policy over the SFT policy: {metrics['accuracy_gain']:+.3f}")
+    return lines
 
 
 def prefect_flow_run_url(flow_run_id: str | None) -> str | None:

@@ -145,3 +145,9 @@ def test_hh_rlhf_recipe_runs_sft_reward_model_then_dpo_on_implicit_prompt_pairs(
     swapped = [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in rows]
     rm = records["reward_model"].output_path
     assert judge_accuracy(rm, swapped, 4)["reward_model_accuracy/held_out"] == pytest.approx(1 - accuracy)
+    # chat-rendered pairs (messages, as the real-model recipe reads them) are scored as the answers' text
+    chat = prompt_rows(load_data(config.evaluation.data.model_copy(update={"chat": True}), None, "evaluation.data"))
+    assert isinstance(chat[0]["chosen"], list)
+    judged = judge_accuracy(rm, chat, 4)["reward_model_accuracy/held_out"]
+    swapped = [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in chat]
+    assert judge_accuracy(rm, swapped, 4)["reward_model_accuracy/held_out"] == pytest.approx(1 - judged)

@@ -176,11 +176,18 @@ def judge_accuracy(reward_model: str, rows: list[dict], n: int) -> dict[str, flo
     log.info("evaluation: the reward model's own accuracy on %d held-out pairs", len(pairs))
     judge = RewardModel.from_pretrained(reward_model)
     prompts = [p["prompt"] for p in pairs]
-    chosen, rejected = judge.score(prompts, [p["chosen"] for p in pairs]), judge.score(prompts, [p["rejected"] for p in pairs])
+    chosen = judge.score(prompts, [_answer_text(p["chosen"]) for p in pairs])
+    rejected = judge.score(prompts, [_answer_text(p["rejected"]) for p in pairs])
     return {
         "reward_model_accuracy/held_out": round(float((chosen > rejected).float().mean()), 4),
         "reward_model_accuracy/pairs": float(len(pairs)),
     }
+
+
+def _answer_text(answer: str | list[dict]) -> str:
+    """A held-out answer as the text a policy would have written: a chat pair's answer is the assistant's
+    message(s) after the prompt, which the reward model reads after the chat-rendered prompt."""
+    return answer if isinstance(answer, str) else "\n\n".join(m["content"] for m in answer)
 
 
 def _completions_only(pairs: list[dict]) -> list[dict]:

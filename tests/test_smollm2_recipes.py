@@ -1,6 +1,6 @@
 """The two real-model recipes (configs/smollm2-hh.yaml, configs/smollm2-math.yaml) read what they claim: the
 bundled real model, chat-rendered rows, held-out prompts disjoint from the training prompts and at least 200
-of them. Their end-to-end runs (about 21 and 35 minutes here) are recorded in bench/RESULTS.md."""
+of them. Their end-to-end runs (about 21 and 30 minutes here) are recorded in bench/RESULTS.md."""
 
 import json
 from pathlib import Path

@@ -99,11 +99,11 @@ def test_a_failing_forward_still_restores_the_model(small_lm):
 def test_hf_generate_paths_give_the_same_answers_with_the_kernels(tiny_path, tok, monkeypatch):
     """``greedy_completions`` without a backend (and the judge's sampled answers) run transformers'
     ``generate`` inside the kernels: the same greedy text as without them (the tiny model: 3 heads, 1 KV head)."""
-    from verl_core import evaluation
     from verl_core.modeling.loading import load_causal_lm
+    from verl_core.rollout import greedy
 
     model = load_causal_lm(tiny_path, trainable=False)
     prompts = [tok("12+7=")["input_ids"], tok("3+4=")["input_ids"], tok("100+23=")["input_ids"]]
-    fast = evaluation.greedy_completions(model, tok, prompts, max_new_tokens=8)
-    monkeypatch.setattr(evaluation, "cpu_decode_kernels", lambda model: contextlib.nullcontext(False))
-    assert evaluation.greedy_completions(model, tok, prompts, max_new_tokens=8) == fast
+    fast = greedy.greedy_completions(model, tok, prompts, max_new_tokens=8)
+    monkeypatch.setattr(greedy, "cpu_decode_kernels", lambda model: contextlib.nullcontext(False))
+    assert greedy.greedy_completions(model, tok, prompts, max_new_tokens=8) == fast

@@ -135,8 +135,8 @@ def test_logprobs_match_a_fresh_forward_pass(tiny, temperature):
 
 
 def test_greedy_matches_hf_generate_and_does_not_depend_on_chunking(tiny):
-    from verl_core.evaluation import greedy_completions
     from verl_core.rollout.contract import decode_responses
+    from verl_core.rollout.greedy import greedy_completions
 
     model, tok = tiny
     prompts = [p[:k] for p, k in zip(_prompts(tok, 5), (20, 11, 16, 9, 18))]

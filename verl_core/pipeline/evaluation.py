@@ -58,9 +58,10 @@ def score_policy(
     ``agent`` (the algorithm section's :class:`~verl_core.agents.AgentSettings`), greedy episodes:
     the answers are the policy's text, and ``agent/*`` tool metrics and the trajectory table are added."""
     from verl_core.data import tokenize_prompts
-    from verl_core.evaluation import answer_rewards, greedy_completions
+    from verl_core.evaluation import answer_rewards
     from verl_core.modeling.loading import load_causal_lm, load_tokenizer
     from verl_core.rewards.model import RewardModel
+    from verl_core.rollout.greedy import greedy_completions
 
     model, tok = load_causal_lm(path, trainable=False), load_tokenizer(path)
     backend = None
@@ -151,8 +152,7 @@ def _implicit_reward_accuracy(ctx: StageContext, rows: list[dict], final) -> dic
     from verl_core.modeling.loading import load_causal_lm, load_tokenizer
 
     algorithm = ALGORITHMS.get(ctx.config.policy_optimisation.algorithm)
-    n = ctx.section.implicit_reward_rows
-    pairs = [r for r in rows if r.get("chosen") is not None and r.get("rejected") is not None][:n]
+    pairs = _held_out_pairs(rows, ctx.section.implicit_reward_rows)
     if not pairs or final.stage == "sft" or algorithm is None or algorithm.kind != "offline":
         return {}
     log.info("evaluation: implicit-reward accuracy of the final policy on %d held-out pairs", len(pairs))
@@ -170,7 +170,7 @@ def judge_accuracy(reward_model: str, rows: list[dict], n: int) -> dict[str, flo
     exactly as it reads the policies' answers (the prompt, then the answer alone)."""
     from verl_core.rewards.model import RewardModel
 
-    pairs = _completions_only([r for r in rows if r.get("chosen") is not None and r.get("rejected") is not None][:n])
+    pairs = _completions_only(_held_out_pairs(rows, n))
     if not pairs:
         return {}
     log.info("evaluation: the reward model's own accuracy on %d held-out pairs", len(pairs))
@@ -182,6 +182,11 @@ def judge_accuracy(reward_model: str, rows: list[dict], n: int) -> dict[str, flo
         "reward_model_accuracy/held_out": round(float((chosen > rejected).float().mean()), 4),
         "reward_model_accuracy/pairs": float(len(pairs)),
     }
+
+
+def _held_out_pairs(rows: list[dict], n: int) -> list[dict]:
+    """The first ``n`` evaluation rows that carry a chosen and a rejected answer."""
+    return [r for r in rows if r.get("chosen") is not None and r.get("rejected") is not None][:n]
 
 
 def _answer_text(answer: str | list[dict]) -> str:

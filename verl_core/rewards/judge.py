@@ -31,7 +31,7 @@ from verl_core.config import ConfigError, StrictConfig
 from verl_core.data import pad_to
 from verl_core.modeling.forward import base_module, last_hidden_states
 from verl_core.modeling.loading import DType, load_causal_lm, load_tokenizer
-from verl_core.rollout.decode_kernels import cpu_decode_kernels
+from verl_core.rollout.greedy import greedy_completions
 
 log = logging.getLogger("verl_core")
 
@@ -201,19 +201,8 @@ class JudgeReward:
         return torch.sigmoid(yes - no).cpu().tolist()
 
     def _number(self, chunk: list[list[int]], first_index: int) -> list[float]:
-        tok, c = self.tokenizer, self.config
-        ids = pad_to(chunk, tok.pad_token_id, side="left").to(self.device)
-        mask = pad_to([[1] * len(x) for x in chunk], 0, side="left").to(self.device)
-        with cpu_decode_kernels(self.model):
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=c.max_new_tokens,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-            )
-        answers = tok.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+        c = self.config
+        answers = greedy_completions(self.model, self.tokenizer, chunk, c.max_new_tokens, batch_size=len(chunk))
         self.last_answers += answers
         scores = []
         for i, answer in enumerate(answers):

@@ -28,6 +28,7 @@ from verl_core.train.batches import micro_batch_indices, steps_for, to_device
 from verl_core.train.callbacks import Callback, HistoryCallback
 from verl_core.train.checkpoints import CHECKPOINT_PREFIX, CHECKPOINTS_DIR, ENGINE_STATE, latest_checkpoint
 from verl_core.train.config import TrainConfig
+from verl_core.train.parameter_memory import own_parameter_memory
 from verl_core.train.precision import allow_precision_change
 from verl_core.train.progress import progress_bar
 from verl_core.train.state_io import load_training_state, read_text, refuse_pickles, save_training_state
@@ -117,6 +118,8 @@ class Engine:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise TrainingError("model has no trainable parameters")
+        if self.accelerator.device.type == "cpu":
+            own_parameter_memory(params)
         optimizer = torch.optim.AdamW(
             params,
             lr=config.learning_rate,

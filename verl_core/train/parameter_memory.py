@@ -4,7 +4,7 @@ transformers loads ``model.safetensors`` through ``mmap``, so on CPU every param
 the file's page-cache pages, mapped copy-on-write. The first optimizer step then writes each 4 KiB
 page of every trained weight once, and each write is a page fault that copies the page out of
 the file: at SmolLM2-135M's size (538 MB of fp32 weights, ~131k pages) that made AdamW's first
-step take 2.3-2.8 s instead of 0.15 s, measured on this project's 2-core hosts (bench/RESULTS.md).
+step take 2.3-2.8 s instead of 0.15 s, measured on a 2-core Xeon host (bench/RESULTS.md).
 Copying the weights once at the start costs 0.3-0.5 s there and leaves the step its normal time.
 """
 

@@ -149,6 +149,21 @@ def test_greedy_matches_hf_generate_and_does_not_depend_on_chunking(tiny):
     assert greedy_completions(model, tok, prompts, max_new_tokens=8, batch_size=2) == decode_responses(tok, whole)
 
 
+def test_greedy_restores_training_mode_when_generate_raises(tiny, monkeypatch):
+    from verl_core.rollout.greedy import greedy_completions
+
+    model, tok = tiny
+    model.train()
+
+    def fail(**_kwargs):
+        raise RuntimeError("generate failed")
+
+    monkeypatch.setattr(model, "generate", fail)
+    with pytest.raises(RuntimeError, match="generate failed"):
+        greedy_completions(model, tok, _prompts(tok, 2), max_new_tokens=4)
+    assert model.training
+
+
 def test_each_distinct_prompt_is_prefilled_once_and_split_groups_still_match(tiny):
     model, tok = tiny
     prompts = [p[:k] for p, k in zip(_prompts(tok), (20, 11, 16))]

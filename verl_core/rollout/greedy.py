@@ -28,21 +28,23 @@ def greedy_completions(
     # (real dialogues range from 20 to 500 tokens)
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     texts: list[str] = []
-    with cpu_decode_kernels(model):
-        for start in range(0, len(order), batch_size):
-            chunk = [prompt_ids[i] for i in order[start : start + batch_size]]
-            ids = pad_to(chunk, tokenizer.pad_token_id, side="left").to(device)
-            mask = pad_to([[1] * len(p) for p in chunk], 0, side="left").to(device)
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            texts += tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
-    model.train(was_training)
+    try:
+        with cpu_decode_kernels(model):
+            for start in range(0, len(order), batch_size):
+                chunk = [prompt_ids[i] for i in order[start : start + batch_size]]
+                ids = pad_to(chunk, tokenizer.pad_token_id, side="left").to(device)
+                mask = pad_to([[1] * len(p) for p in chunk], 0, side="left").to(device)
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                )
+                texts += tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+    finally:  # a caller that catches the error keeps training a model in the mode it left it
+        model.train(was_training)
     by_row = [""] * len(order)
     for text, i in zip(texts, order):
         by_row[i] = text

@@ -13,7 +13,7 @@ the teacher's next-token distributions teach little), and on-policy distillation
 prompt); warm-up, train and held-out prompts disjoint. Per seed, from the same warm student ("student0"):
 
 - ``on-policy``: ``DistillTrainer`` (``--loss``: ``jsd`` = GKD's generalized JSD(0.5) on the student's
-  samples, or ``reverse_kl`` = the per-token reverse-KL advantage), one sample per prompt, temperature 1;
+  samples, or ``reverse_kl`` = the per-token reverse-KL advantage), one sample per prompt at ``--temperature`` (1 by default);
 - ``offline``: ``SFTTrainer`` on the teacher's greedy answers to the same training prompts.
 
 Equal budget: the same ``--steps`` x ``--batch`` student samples (completions trained on; each training
@@ -52,6 +52,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from verl_core.train.callbacks import Callback  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results" / "distill.json"
 METRICS = ("reverse_kl", "forward_kl")
 MIN_TASK_GAP = 0.10
@@ -78,9 +80,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", choices=("on-policy", "offline"), default=["on-policy", "offline"])
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate of both methods")
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0, help="on-policy: the student's sampling temperature (GKD's gamma)")
+    p.add_argument("--eval-split-seed", type=int, default=12, help="seed of the held-out problems (another one for pilots)")
     p.add_argument("--warmup-steps", type=int, default=16, help="shared SFT warm start of the student (0: none)")
     p.add_argument("--warmup-lr", type=float, default=3e-4)
     p.add_argument("--eval-prompts", type=int, default=32)
+    p.add_argument(
+        "--curve-every", type=int, default=0, help="also score held-out greedy accuracy every N steps (0: at the end only)"
+    )
     p.add_argument("--threads", default="auto", help="torch threads: auto (1 on a busy machine) or a number")
     p.add_argument("--rule", choices=tuple(RULES), default="kl", help="the verdict (see the module's docstring)")
     p.add_argument("--quick", action="store_true", help="smoke size: 2 steps of 4, 1 seed, 8 held-out prompts")
@@ -90,6 +97,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.steps, args.batch, args.seeds, args.eval_prompts, args.max_new_tokens = 2, 4, args.seeds[:1], 8, 16
         args.warmup_steps = min(args.warmup_steps, 2)
     return args
+
+
+class AccuracyCurve(Callback):
+    """A training callback: held-out greedy accuracy every ``every`` loop steps before the last, with the
+    seconds it took (taken out of the method's wall time)."""
+
+    def __init__(self, held, model_of, every: int, last: int):
+        self.held, self.model_of, self.every, self.last = held, model_of, every, last
+        self.points: list[dict] = []
+        self.seconds = 0.0
+
+    def on_step_end(self, step: int) -> None:
+        if self.every and step % self.every == 0 and step < self.last:
+            t0 = time.perf_counter()
+            correct = self.held.greedy_correct(self.model_of())
+            self.seconds += time.perf_counter() - t0
+            self.points.append({"step": step, "accuracy": sum(correct) / len(correct)})
+            print(f"  step {step}: held-out greedy accuracy {self.points[-1]['accuracy']:.3f}", flush=True)
 
 
 def shared_settings(args, seed: int, out: Path, steps=None, lr=None) -> dict:
@@ -106,7 +131,7 @@ def shared_settings(args, seed: int, out: Path, steps=None, lr=None) -> dict:
     )
 
 
-def train_on_policy(student_dir: Path, teacher, prompts: list[dict], args, seed: int, out: Path):
+def train_on_policy(student_dir: Path, teacher, prompts: list[dict], args, seed: int, out: Path, curve=None):
     from verl_core.algorithms.distill import DistillTrainer
     from verl_core.policies import LLMPolicy
 
@@ -118,21 +143,27 @@ def train_on_policy(student_dir: Path, teacher, prompts: list[dict], args, seed:
         jsd_beta=args.jsd_beta,
         teacher_forced_fraction=args.teacher_fraction,
         max_new_tokens=args.max_new_tokens,
-        temperature=1.0,
+        temperature=args.temperature,
+        callbacks=[curve] if curve else [],
         **shared_settings(args, seed, out),
     )
+    if curve:
+        curve.model_of = lambda: trainer.policy.model
     result = trainer.train()
     return trainer.policy.model, {k: [round(v, 4) for _, v in h] for k, h in result.history.items() if k.startswith("distill/")}
 
 
-def train_offline(student_dir: Path, rows: list[dict], args, seed: int, out: Path, steps=None, lr=None):
+def train_offline(student_dir: Path, rows: list[dict], args, seed: int, out: Path, steps=None, lr=None, curve=None):
     from verl_core.algorithms.sft import SFTTrainer
 
     trainer = SFTTrainer(
         str(student_dir),
         train_dataset=rows,
+        callbacks=[curve] if curve else [],
         **shared_settings(args, seed, out, steps, lr),
     )
+    if curve:
+        curve.model_of = lambda: trainer.model
     result = trainer.train()
     return trainer.model, {"loss": [round(v, 4) for _, v in result.history.get("loss", [])]}
 
@@ -162,7 +193,7 @@ def run(args) -> dict:
     student_dir = student_from_teacher(teacher.model, args.layers, work / "student0", tokenizer=tok)
     n_train = args.steps * args.batch
     n_warm = args.warmup_steps * args.batch
-    train, held_out = task_splits(n_train + n_warm, args.eval_prompts)
+    train, held_out = task_splits(n_train + n_warm, args.eval_prompts, args.eval_split_seed)
     train, warm = train[:n_train], train[n_train:]
     prompts = [{"prompt": chat_prompt(tok, p.question), "ground_truth": str(p.answer)} for p in train]
     ids = [tok(r["prompt"])["input_ids"] for r in prompts]
@@ -202,11 +233,12 @@ def run(args) -> dict:
         for method in args.methods:
             t0 = time.perf_counter()
             out = work / f"{method}-{seed}"
+            curve = AccuracyCurve(held, None, args.curve_every, args.steps) if args.curve_every else None
             if method == "on-policy":
-                model, history = train_on_policy(student_dir, teacher, prompts, args, seed, out)
+                model, history = train_on_policy(student_dir, teacher, prompts, args, seed, out, curve)
             else:
-                model, history = train_offline(student_dir, sft_rows, args, seed, out)
-            train_s = time.perf_counter() - t0
+                model, history = train_offline(student_dir, sft_rows, args, seed, out, curve=curve)
+            train_s = time.perf_counter() - t0 - (curve.seconds if curve else 0.0)
             wall = train_s + (t_teacher_answers if method == "offline" else 0.0)
             after = held.score(model)
             row = {
@@ -221,6 +253,11 @@ def run(args) -> dict:
                     "accuracy": gap_closed(base["accuracy"], after["accuracy"], held.teacher_accuracy),
                 },
                 "history": history,
+                "curve": [
+                    {"step": 0, "accuracy": base["accuracy"]},
+                    *(curve.points if curve else []),
+                    {"step": args.steps, "accuracy": after["accuracy"]},
+                ],
             }
             runs.append(row)
             print(f"{method} seed {seed}: {_shown(after)} closed {row['closed']} ({wall:.0f}s)", flush=True)
@@ -290,8 +327,9 @@ def table(res: dict) -> str:
         f"On-policy distillation ({c['loss']}) vs SFT on teacher greedy answers; teacher SmolLM2-135M-Instruct (30 layers), "
         f"student = its first {c['layers']} layers + {c['warmup_steps']} shared SFT warm-up steps (lr {c['warmup_lr']}); "
         f"arithmetic chat prompts; {c['steps']} steps x {c['batch']} samples "
-        f"= {c['steps'] * c['batch']} student samples per run (equal samples), lr {c['lr']}, max_new_tokens "
-        f"{c['max_new_tokens']}, {c['eval_prompts']} held-out prompts, {res['threads'] or 'default'} torch thread(s)\n"
+        f"= {c['steps'] * c['batch']} student samples per run (equal samples), lr {c['lr']}, on-policy sampling temperature "
+        f"{c.get('temperature', 1.0)}, max_new_tokens "
+        f"{c['max_new_tokens']}, {c['eval_prompts']} held-out prompts (split seed {c.get('eval_split_seed', 12)}), {res['threads'] or 'default'} torch thread(s)\n"
         "rev KL = exact KL(student||teacher)/token on the student's samples; fwd KL = exact KL(teacher||student)/token "
         "on the teacher's greedy answers; teacher = 0 on both; closed = (KL0 - KL) / KL0; acc = greedy numeric match\n"
     )

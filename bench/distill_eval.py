@@ -26,10 +26,11 @@ def chat_prompt(tokenizer, question: str) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
 
 
-def task_splits(n_train: int, n_eval: int) -> tuple[list[arithmetic.Problem], list[arithmetic.Problem]]:
-    """Disjoint train / held-out arithmetic word problems (operands 0..20), by seed and by question."""
+def task_splits(n_train: int, n_eval: int, eval_seed: int = 12) -> tuple[list[arithmetic.Problem], list[arithmetic.Problem]]:
+    """Disjoint train / held-out arithmetic word problems (operands 0..20), by seed and by question;
+    ``eval_seed`` other than 12 draws another held-out set (pilots use one, verdicts the default)."""
     train = arithmetic.seeded_split(n_train, 11, set())
-    held_out = arithmetic.seeded_split(n_eval, 12, {p.question for p in train})
+    held_out = arithmetic.seeded_split(n_eval, eval_seed, {p.question for p in train})
     return train, held_out
 
 
@@ -93,10 +94,14 @@ class HeldOut:
         self.teacher_accuracy = sum(numeric_match(self.teacher_texts, self.truths)) / len(self.truths)
         self._teacher_cache: list = []  # the teacher's log-softmax on its greedy answers (bf16), reused
 
+    def greedy_correct(self, student) -> list[int]:
+        """1 per held-out problem the student's greedy answer gets right (numeric_match), else 0."""
+        greedy = response_texts(self.tok, generate(student, self.tok, self.prompt_ids, self.max_new_tokens, 0.0))
+        return [int(c) for c in numeric_match(greedy, self.truths)]
+
     def score(self, student) -> dict[str, float]:
         samples = generate(student, self.tok, self.prompt_ids, self.max_new_tokens, 1.0, seed=EVAL_SAMPLE_SEED)
-        greedy = response_texts(self.tok, generate(student, self.tok, self.prompt_ids, self.max_new_tokens, 0.0))
-        correct = [int(c) for c in numeric_match(greedy, self.truths)]
+        correct = self.greedy_correct(student)
         return {
             "reverse_kl": mean_kl(student, self.teacher, samples),
             "forward_kl": mean_kl(self.teacher, student, self.teacher_greedy, p_cache=self._teacher_cache),

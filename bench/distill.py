@@ -52,6 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench.distill_eval import HELD_OUT_SEED  # noqa: E402
 from verl_core.train.callbacks import Callback  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "distill.json"
@@ -81,7 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate of both methods")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0, help="on-policy: the student's sampling temperature (GKD's gamma)")
-    p.add_argument("--eval-split-seed", type=int, default=12, help="seed of the held-out problems (another one for pilots)")
+    p.add_argument(
+        "--eval-split-seed", type=int, default=HELD_OUT_SEED, help="seed of the held-out problems (another one for pilots)"
+    )
     p.add_argument("--warmup-steps", type=int, default=16, help="shared SFT warm start of the student (0: none)")
     p.add_argument("--warmup-lr", type=float, default=3e-4)
     p.add_argument("--eval-prompts", type=int, default=32)
@@ -328,8 +331,8 @@ def table(res: dict) -> str:
         f"student = its first {c['layers']} layers + {c['warmup_steps']} shared SFT warm-up steps (lr {c['warmup_lr']}); "
         f"arithmetic chat prompts; {c['steps']} steps x {c['batch']} samples "
         f"= {c['steps'] * c['batch']} student samples per run (equal samples), lr {c['lr']}, on-policy sampling temperature "
-        f"{c.get('temperature', 1.0)}, max_new_tokens "
-        f"{c['max_new_tokens']}, {c['eval_prompts']} held-out prompts (split seed {c.get('eval_split_seed', 12)}), {res['threads'] or 'default'} torch thread(s)\n"
+        f"{c['temperature']}, max_new_tokens "
+        f"{c['max_new_tokens']}, {c['eval_prompts']} held-out prompts (split seed {c['eval_split_seed']}), {res['threads'] or 'default'} torch thread(s)\n"
         "rev KL = exact KL(student||teacher)/token on the student's samples; fwd KL = exact KL(teacher||student)/token "
         "on the teacher's greedy answers; teacher = 0 on both; closed = (KL0 - KL) / KL0; acc = greedy numeric match\n"
     )

@@ -19,6 +19,7 @@ from verl_core.rollout.contract import RolloutBatch, SamplingParams
 from verl_core.rollout.hf_backend import HFRolloutBackend
 
 EVAL_SAMPLE_SEED = 2024  # the student's held-out samples: the same stream for every student
+HELD_OUT_SEED = 12  # the verdicts' held-out problems; pilots draw theirs with another seed
 
 
 def chat_prompt(tokenizer, question: str) -> str:
@@ -26,9 +27,11 @@ def chat_prompt(tokenizer, question: str) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
 
 
-def task_splits(n_train: int, n_eval: int, eval_seed: int = 12) -> tuple[list[arithmetic.Problem], list[arithmetic.Problem]]:
+def task_splits(
+    n_train: int, n_eval: int, eval_seed: int = HELD_OUT_SEED
+) -> tuple[list[arithmetic.Problem], list[arithmetic.Problem]]:
     """Disjoint train / held-out arithmetic word problems (operands 0..20), by seed and by question;
-    ``eval_seed`` other than 12 draws another held-out set (pilots use one, verdicts the default)."""
+    another ``eval_seed`` draws another held-out set (pilots use one, verdicts the default)."""
     train = arithmetic.seeded_split(n_train, 11, set())
     held_out = arithmetic.seeded_split(n_eval, eval_seed, {p.question for p in train})
     return train, held_out

@@ -36,3 +36,35 @@ def test_held_out_pairs_lose_their_shared_prompt_text_or_messages():
     assert out[0]["chosen"] == " yes" and out[0]["rejected"] == " no"
     assert out[1]["chosen"] == [{"role": "assistant", "content": "a"}]
     assert out[2] == {"prompt": "p", "chosen": "a", "rejected": "b"}
+
+
+def test_preference_margins_are_the_same_packed_with_shared_prompts_as_padded(tiny_path):
+    """The held-out margins go through packed pairs (each prompt once) in order of length: the same numbers,
+    in the rows' order, as padded pairs one at a time."""
+    import torch
+
+    from verl_core.evaluation import preference_margins
+    from verl_core.modeling.loading import load_causal_lm, load_tokenizer
+    from verl_core.modeling.packed_forward import packing_unsupported
+
+    model, tok = load_causal_lm(tiny_path, trainable=False), load_tokenizer(tiny_path)
+    assert packing_unsupported(model) is None
+    model.train()
+    rows = [
+        {"prompt": "Question: 2 + 2?\nAnswer:" * 5, "chosen": " 4", "rejected": " 5 or so"},
+        {"prompt": "Q: 3 + 4?\nA:", "chosen": " 7, since 3 + 4 = 7", "rejected": " 8"},
+        {"prompt": "Q: 1?\nA:", "chosen": " 1", "rejected": " 1 1"},  # answers with a common first token
+    ]
+    margins = preference_margins(model, tok, rows, batch_size=2)
+    assert model.training  # the caller's mode is back
+    model.eval()
+    one_by_one = []
+    with torch.no_grad():
+        for r in rows:  # the padded path by hand: no packing, no sorting
+            from verl_core.data import collate_pairs, tokenize_pairs
+            from verl_core.modeling.packed_forward import model_token_logprobs
+
+            batch = collate_pairs(tokenize_pairs([r], tok, 512), tok.pad_token_id)
+            lp = (model_token_logprobs(model, batch) * batch["loss_mask"]).sum(-1)
+            one_by_one.append(float(lp[0] - lp[1]))
+    assert torch.allclose(margins, torch.tensor(one_by_one), atol=1e-4)

@@ -103,3 +103,25 @@ def test_a_source_needs_some_reward_and_known_rule_names():
     assert RewardSource.build(RewardSourceConfig(), default_rules={"exact_match": 1.0}).rules == {"exact_match": 1.0}
     built = RewardSource.build(RewardSourceConfig(), functions=[lambda c, t: [0.0] * len(c)], default_rules={"exact_match": 1.0})
     assert built.rules == {} and len(built.functions) == 1
+
+
+def test_packed_scores_equal_the_padded_ones_in_the_callers_order(reward_model):
+    # rows of very different lengths, so that sorting by length reorders them and a padded batch pads a lot
+    prompts = [PROMPTS[0] * 4, PROMPTS[1], PROMPTS[2], PROMPTS[0]]
+    completions = [COMPLETIONS[0], COMPLETIONS[1] * 3, COMPLETIONS[2], COMPLETIONS[0]]
+    assert reward_model._packed  # the tiny model's sdpa attention takes a packed mask
+    packed = reward_model.score(prompts, completions)
+    reversed_ = reward_model.score(prompts[::-1], completions[::-1])
+    reward_model._packed = False
+    try:
+        padded = reward_model.score(prompts, completions)
+        one_by_one = torch.cat([reward_model.score([p], [c]) for p, c in zip(prompts, completions)])
+        reward_model.max_length = 8
+        padded_short = reward_model.score(prompts, completions)
+        reward_model._packed = True
+        packed_short = reward_model.score(prompts, completions)
+    finally:
+        reward_model._packed, reward_model.max_length = True, 1024
+    assert torch.allclose(packed, padded, atol=1e-5) and torch.allclose(packed, one_by_one, atol=1e-5)
+    assert torch.allclose(reversed_, packed.flip(0), atol=1e-5)
+    assert torch.allclose(packed_short, padded_short, atol=1e-5) and not torch.allclose(packed_short, packed)

@@ -26,8 +26,9 @@ from pydantic import Field
 
 from verl_core.config import ConfigError, StrictConfig
 from verl_core.data import collate_sequences
+from verl_core.data.packing import collate_packed
 from verl_core.modeling.loading import DType, load_reward_model, load_tokenizer
-from verl_core.modeling.packed_forward import padded_sequence_scores
+from verl_core.modeling.packed_forward import packed_sequence_scores, packing_unsupported, padded_sequence_scores
 from verl_core.rewards.judge import JudgeConfig, JudgeReward
 from verl_core.rewards.remote import RemoteReward, RemoteRewardConfig
 from verl_core.rewards.rules import RULE_REWARDS, RewardError, RewardFn, RuleWeights, _checked_scores, get_rule_reward
@@ -54,6 +55,7 @@ class RewardModel:
         self.batch_size = batch_size
         self.max_length = max_length
         self.autocast_dtype: torch.dtype | None = None
+        self._packed = packing_unsupported(model, needs_score_head=True) is None
 
     @classmethod
     def from_pretrained(
@@ -102,18 +104,32 @@ class RewardModel:
             prompt_ids, completion_ids = self.encode(prompts, completions)
         else:
             prompt_ids, completion_ids = [list(p) for p in prompts], [list(c) for c in completions]
-        out = []
-        for start in range(0, len(prompt_ids), self.batch_size):
-            p = prompt_ids[start : start + self.batch_size]
-            c = completion_ids[start : start + self.batch_size]
-            batch = collate_sequences(p, c, self.tokenizer.pad_token_id)
-            ids, mask = _keep_last(batch["input_ids"], batch["attention_mask"], self.max_length, self.tokenizer.pad_token_id)
+        # batches of similar lengths: real prompts range from 20 to 1,000 tokens, and a batch padded to
+        # its longest row spent most of its time on padding (each row's score is unchanged by the order)
+        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]) + len(completion_ids[i]))
+        out = torch.zeros(len(prompt_ids))
+        for start in range(0, len(order), self.batch_size):
+            index = order[start : start + self.batch_size]
             with torch.autocast(
                 self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
             ):
-                scores = padded_sequence_scores(self.model, ids.to(self.device), mask.to(self.device))
-            out.append(scores.cpu())
-        return torch.cat(out) if out else torch.zeros(0)
+                scores = self._scores([prompt_ids[i] + completion_ids[i] for i in index])
+            out[index] = scores.float().cpu()
+        return out
+
+    def _scores(self, sequences: list[list[int]]) -> torch.Tensor:
+        """Scores of whole token sequences, each cut to its last ``max_length`` tokens: packed where the
+        model's attention takes a packed mask (no pad token computed, the last layer only where the score
+        is read), else right-padded."""
+        pad = self.tokenizer.pad_token_id
+        if self._packed:
+            kept = [s[-self.max_length :] for s in sequences]
+            # each sequence a unit of its own: its last token as the "completion" the score is read at
+            batch = collate_packed([s[:-1] for s in kept], [[s[-1:] for s in kept]], pad, False, "longest")
+            return packed_sequence_scores(self.model, {k: v.to(self.device) for k, v in batch.items()})
+        batch = collate_sequences(sequences, [[] for _ in sequences], pad)
+        ids, mask = _keep_last(batch["input_ids"], batch["attention_mask"], self.max_length, pad)
+        return padded_sequence_scores(self.model, ids.to(self.device), mask.to(self.device))
 
 
 def _keep_last(ids: torch.Tensor, mask: torch.Tensor, max_length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ def test_the_hh_recipe_trains_and_evaluates_on_disjoint_chat_rendered_dialogues(
     assert cfg.base_model == cfg.sft.model_path == "bundled:smollm2"
     pairs = prompt_rows(preference_rows_of(given_record(cfg, "preference_data"), cfg.preference_data))
     held = prompt_rows(load_data(cfg.evaluation.data, None, "evaluation.data"))[: cfg.evaluation.num_rows]
-    assert len(pairs) == cfg.preference_data.limit == 960 and len(held) == cfg.evaluation.num_rows >= 200
+    assert len(pairs) == cfg.preference_data.limit == 800 and len(held) == cfg.evaluation.num_rows >= 200
     assert all(isinstance(r["prompt"], list) and r["prompt"][-1]["role"] == "user" for r in pairs + held)
     assert not _prompts(pairs) & _prompts(held)
     assert cfg.evaluation.reward is None and cfg.reward_model.enabled and cfg.evaluation.implicit_reward_rows >= 100

@@ -42,39 +42,19 @@ def preference_accuracy(model, tokenizer, rows: Any, batch_size: int = 64, max_l
 
 @torch.no_grad()
 def preference_margins(model, tokenizer, rows: Any, batch_size: int = 64, max_length: int = 512) -> torch.Tensor:
-    """Per pair ``log π(chosen|prompt) − log π(rejected|prompt)`` (summed completion log-probs), [N].
-
-    Pairs go through in order of length and, where the model's attention takes a packed mask, packed
-    with each prompt computed once for both answers (the trainers' layout, whose log-probs equal the
-    padded path's: tests/test_packing.py): held-out dialogues of 50 to 1,000 tokens padded to their
-    batch's longest spent most of an evaluation's time on padding and on every prompt twice."""
-    from verl_core.data.packing import collate_packed_pairs
-    from verl_core.modeling.packed_forward import packing_unsupported, supports_shared_prompt
-
+    """Per pair ``log π(chosen|prompt) − log π(rejected|prompt)`` (summed completion log-probs), [N],
+    in the rows' order (computed in :func:`_pair_batches`' order and layout)."""
     was_training = model.training
     model.eval()
     examples = tokenize_pairs(rows, tokenizer, max_length)
-    packed = packing_unsupported(model) is None
-    order = sorted(range(len(examples)), key=lambda i: _pair_tokens(examples[i]))
     margins = torch.zeros(len(examples))
     try:
-        for start in range(0, len(order), batch_size):
-            index = order[start : start + batch_size]
-            chunk = [examples[i] for i in index]
-            batch = (
-                collate_packed_pairs(chunk, tokenizer.pad_token_id, supports_shared_prompt(model), "longest")
-                if packed
-                else collate_pairs(chunk, tokenizer.pad_token_id)
-            )
+        for index, batch in _pair_batches(model, tokenizer, examples, batch_size):
             lp = (model_token_logprobs(model, batch) * batch["loss_mask"]).sum(-1)
-            margins[index] = (lp[: len(chunk)] - lp[len(chunk) :]).float().cpu()
+            margins[index] = (lp[: len(index)] - lp[len(index) :]).float().cpu()
     finally:
         model.train(was_training)
     return margins
-
-
-def _pair_tokens(example: dict) -> int:
-    return len(example["prompt_ids"]) + max(len(example["chosen_ids"]), len(example["rejected_ids"]))
 
 
 @torch.no_grad()
@@ -85,8 +65,33 @@ def reward_model_accuracy(reward_model, tokenizer, rows: Any, batch_size: int = 
     reward_model.eval()
     examples = tokenize_pairs(rows, tokenizer, max_length)
     wins = 0
-    for start in range(0, len(examples), batch_size):
-        c, r = pair_rewards(reward_model, collate_pairs(examples[start : start + batch_size], tokenizer.pad_token_id))
-        wins += int((c > r).sum())
-    reward_model.train(was_training)
+    try:
+        for _, batch in _pair_batches(reward_model, tokenizer, examples, batch_size, needs_score_head=True):
+            c, r = pair_rewards(reward_model, batch)
+            wins += int((c > r).sum())
+    finally:
+        reward_model.train(was_training)
     return wins / len(examples)
+
+
+def _pair_batches(model, tokenizer, examples: list[dict], batch_size: int, needs_score_head: bool = False):
+    """``(row indices, collated batch)`` over tokenized pairs in order of length and, where the model's
+    attention takes a packed mask, packed with each prompt computed once for both answers (the trainers'
+    layout, equal to the padded one: tests/test_packing.py). Held-out dialogues of 50 to 1,000 tokens
+    padded in the rows' order spent most of an evaluation's time on padding and on every prompt twice."""
+    from verl_core.data.packing import collate_packed_pairs
+    from verl_core.modeling.packed_forward import packing_unsupported, supports_shared_prompt
+
+    packed = packing_unsupported(model, needs_score_head) is None
+    order = sorted(range(len(examples)), key=lambda i: _pair_tokens(examples[i]))
+    for start in range(0, len(order), batch_size):
+        index = order[start : start + batch_size]
+        chunk = [examples[i] for i in index]
+        if packed:
+            yield index, collate_packed_pairs(chunk, tokenizer.pad_token_id, supports_shared_prompt(model), "longest")
+        else:
+            yield index, collate_pairs(chunk, tokenizer.pad_token_id)
+
+
+def _pair_tokens(example: dict) -> int:
+    return len(example["prompt_ids"]) + max(len(example["chosen_ids"]), len(example["rejected_ids"]))

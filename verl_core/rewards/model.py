@@ -25,7 +25,7 @@ import torch
 from pydantic import Field
 
 from verl_core.config import ConfigError, StrictConfig
-from verl_core.data import collate_sequences
+from verl_core.data import pad_to
 from verl_core.data.packing import collate_packed
 from verl_core.modeling.loading import DType, load_reward_model, load_tokenizer
 from verl_core.modeling.packed_forward import packed_sequence_scores, packing_unsupported, padded_sequence_scores
@@ -118,32 +118,17 @@ class RewardModel:
         return out
 
     def _scores(self, sequences: list[list[int]]) -> torch.Tensor:
-        """Scores of whole token sequences, each cut to its last ``max_length`` tokens: packed where the
-        model's attention takes a packed mask (no pad token computed, the last layer only where the score
-        is read), else right-padded."""
+        """Scores of whole token sequences, each cut to its last ``max_length`` tokens (the end is what the
+        score head reads): packed where the model's attention takes a packed mask (no pad token computed,
+        the last layer only where the score is read), else right-padded."""
         pad = self.tokenizer.pad_token_id
+        kept = [s[-self.max_length :] for s in sequences]
         if self._packed:
-            kept = [s[-self.max_length :] for s in sequences]
             # each sequence a unit of its own: its last token as the "completion" the score is read at
             batch = collate_packed([s[:-1] for s in kept], [[s[-1:] for s in kept]], pad, False, "longest")
             return packed_sequence_scores(self.model, {k: v.to(self.device) for k, v in batch.items()})
-        batch = collate_sequences(sequences, [[] for _ in sequences], pad)
-        ids, mask = _keep_last(batch["input_ids"], batch["attention_mask"], self.max_length, pad)
+        ids, mask = pad_to(kept, pad), pad_to([[1] * len(s) for s in kept], 0)
         return padded_sequence_scores(self.model, ids.to(self.device), mask.to(self.device))
-
-
-def _keep_last(ids: torch.Tensor, mask: torch.Tensor, max_length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded rows cut to their last ``max_length`` real tokens (still right-padded)."""
-    if ids.shape[1] <= max_length:
-        return ids, mask
-    lengths = mask.sum(-1)
-    out_ids = torch.full((ids.shape[0], max_length), pad_id, dtype=ids.dtype)
-    out_mask = torch.zeros((ids.shape[0], max_length), dtype=mask.dtype)
-    for i, n in enumerate(lengths.tolist()):
-        keep = min(n, max_length)
-        out_ids[i, :keep] = ids[i, n - keep : n]
-        out_mask[i, :keep] = 1
-    return out_ids, out_mask
 
 
 class RewardSourceConfig(StrictConfig):

@@ -12,6 +12,7 @@ import torch
 from verl_core.data import pad_to
 from verl_core.rollout.contract import RolloutBatch, SamplingParams, concat_chunks, position_ids_from_mask
 from verl_core.rollout.decode_kernels import cpu_decode_kernels
+from verl_core.rollout.reserved_cache import reserved_cache
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -115,7 +116,8 @@ class HFRolloutBackend:
         prompt = pad_to(unique_rows, self.pad_token_id, side="left").to(device)
         prompt_mask = pad_to([[1] * len(r) for r in unique_rows], 0, side="left").to(device)
         positions = position_ids_from_mask(prompt_mask)
-        logits, cache = self._forward(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions)
+        cache = reserved_cache(self.model, params.max_new_tokens)  # None: the model's own cache
+        logits, cache = self._forward(input_ids=prompt, attention_mask=prompt_mask, position_ids=positions, cache=cache)
         prompt, prompt_mask, positions, logits = prompt[source], prompt_mask[source], positions[source], logits[source]
         if len(unique_rows) < n:
             if hasattr(cache, "batch_select_indices"):

@@ -95,3 +95,18 @@ def test_the_backend_samples_the_same_tokens_with_either_cache(tiny_path, tok, m
     theirs = sample()
     assert torch.equal(ours.response_ids, theirs.response_ids)
     torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_completions_through_generate_are_the_same_with_either_cache(tiny_path, tok, monkeypatch):
+    """Evaluation's and the judge's path (transformers' ``generate``) takes the reserved cache too."""
+    from verl_core.modeling.loading import load_causal_lm
+    from verl_core.rollout import greedy
+
+    model = load_causal_lm(tiny_path, trainable=False)
+    prompts = [tok("12+7=")["input_ids"], tok("3+4=")["input_ids"], tok("100+23=")["input_ids"]]
+    used = []
+    monkeypatch.setattr(greedy, "reserved_cache", lambda m, r: used.append(r) or reserved_cache(m, r))
+    ours = greedy.greedy_completions(model, tok, prompts, max_new_tokens=10, batch_size=2)
+    assert used == [10, 10]  # one cache per batch
+    monkeypatch.setattr(greedy, "reserved_cache", lambda m, r: None)
+    assert greedy.greedy_completions(model, tok, prompts, max_new_tokens=10, batch_size=2) == ours

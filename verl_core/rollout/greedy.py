@@ -1,5 +1,6 @@
 """Greedy answers of a causal LM to many prompts: batches of similar lengths, left-padded, through
-transformers' ``generate`` inside the CPU decode kernels, or through a rollout backend when one is given.
+transformers' ``generate`` inside the CPU decode kernels with a KV cache that appends in place
+(:mod:`verl_core.rollout.reserved_cache`), or through a rollout backend when one is given.
 Evaluation and the judge (a model's sampled number) both decode this way."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import torch
 
 from verl_core.data import pad_to
 from verl_core.rollout.decode_kernels import cpu_decode_kernels
+from verl_core.rollout.reserved_cache import reserved_cache
 
 
 @torch.no_grad()
@@ -34,7 +36,9 @@ def greedy_completions(
                 chunk = [prompt_ids[i] for i in order[start : start + batch_size]]
                 ids = pad_to(chunk, tokenizer.pad_token_id, side="left").to(device)
                 mask = pad_to([[1] * len(p) for p in chunk], 0, side="left").to(device)
+                cache = reserved_cache(model, max_new_tokens)  # None: generate makes the model's own
                 out = model.generate(
+                    **({"past_key_values": cache} if cache is not None else {}),
                     input_ids=ids,
                     attention_mask=mask,
                     max_new_tokens=max_new_tokens,

@@ -222,9 +222,9 @@ def test_the_hermes_parser_reads_a_tool_call_the_model_writes(smollm2_model):
     assert [(c.name, c.arguments) for c in well_formed.calls] == [("calculator", {"expression": "17 * 23"})]
 
 
-def test_the_reserved_kv_cache_gives_smollm2_the_same_greedy_answers(smollm2_model, shared_data, monkeypatch):
-    """The KV cache that appends in place (verl_core.rollout.reserved_cache) changes SmolLM2's greedy answers
-    to GSM8K questions (4 prompts of different lengths, left-padded) in no token."""
+def _greedy_answers_with_and_without(smollm2_model, shared_data, monkeypatch, feature: str, plain):
+    """SmolLM2's greedy answers to 4 GSM8K questions (prompts of different lengths, left-padded) through the
+    HF backend, then again with ``hf_backend.<feature>`` replaced by ``plain``: both rollouts."""
     import json
 
     from verl_core.rollout import hf_backend
@@ -240,9 +240,17 @@ def test_the_reserved_kv_cache_gives_smollm2_the_same_greedy_answers(smollm2_mod
     def greedy():
         return hf_backend.HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id).generate(prompts, params)
 
-    reserved = greedy()
-    monkeypatch.setattr(hf_backend, "reserved_cache", lambda model, reserve: None)
-    growing = greedy()
+    with_feature = greedy()
+    monkeypatch.setattr(hf_backend, feature, plain)
+    return with_feature, greedy()
+
+
+def test_the_reserved_kv_cache_gives_smollm2_the_same_greedy_answers(smollm2_model, shared_data, monkeypatch):
+    """The KV cache that appends in place (verl_core.rollout.reserved_cache) changes SmolLM2's greedy answers
+    to GSM8K questions in no token."""
+    reserved, growing = _greedy_answers_with_and_without(
+        smollm2_model, shared_data, monkeypatch, "reserved_cache", lambda model, reserve: None
+    )
     assert torch.equal(reserved.response_ids, growing.response_ids)
     torch.testing.assert_close(reserved.logprobs, growing.logprobs, atol=1e-4, rtol=1e-4)
 
@@ -251,23 +259,9 @@ def test_decode_kernels_give_smollm2_the_same_greedy_answers(smollm2_model, shar
     """The CPU decode kernels (verl_core.rollout.decode_kernels) change SmolLM2's greedy answers to GSM8K
     questions in no token, and its reported log-probs by float rounding only."""
     import contextlib
-    import json
 
-    from verl_core.rollout import hf_backend
-    from verl_core.rollout.contract import SamplingParams
-
-    model, tok = smollm2_model
-    with open(shared_data / "gsm8k-test.jsonl") as f:
-        questions = [json.loads(next(f))["question"] for _ in range(4)]
-    chats = [[{"role": "user", "content": q}] for q in questions]
-    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, return_dict=True)["input_ids"] for c in chats]
-    params = SamplingParams(n=1, max_new_tokens=48, temperature=0.0)
-
-    def greedy():
-        return hf_backend.HFRolloutBackend(model, tok.eos_token_id, tok.pad_token_id).generate(prompts, params)
-
-    fast = greedy()
-    monkeypatch.setattr(hf_backend, "cpu_decode_kernels", lambda model: contextlib.nullcontext(False))
-    plain = greedy()
+    fast, plain = _greedy_answers_with_and_without(
+        smollm2_model, shared_data, monkeypatch, "cpu_decode_kernels", lambda model: contextlib.nullcontext(False)
+    )
     assert torch.equal(fast.response_ids, plain.response_ids)
     torch.testing.assert_close(fast.logprobs, plain.logprobs, atol=1e-4, rtol=1e-4)

@@ -26,7 +26,7 @@ def test_updates_equal_concatenation_and_append_in_place(llama):
     from transformers.cache_utils import DynamicLayer
 
     ours, theirs = reserved_cache(llama, reserve=3).layers[0], DynamicLayer()
-    data = id(None)
+    data = None
     for step, n in enumerate([5, 1, 1, 1, 1, 2]):  # a prefill, 3 steps inside the reserve, then past it
         k, v = _pair(3, n, step)
         got, want = ours.update(k, v), theirs.update(k, v)

@@ -36,9 +36,8 @@ def greedy_completions(
                 chunk = [prompt_ids[i] for i in order[start : start + batch_size]]
                 ids = pad_to(chunk, tokenizer.pad_token_id, side="left").to(device)
                 mask = pad_to([[1] * len(p) for p in chunk], 0, side="left").to(device)
-                cache = reserved_cache(model, max_new_tokens)  # None: generate makes the model's own
                 out = model.generate(
-                    **({"past_key_values": cache} if cache is not None else {}),
+                    past_key_values=reserved_cache(model, max_new_tokens),  # None: generate makes the model's own
                     input_ids=ids,
                     attention_mask=mask,
                     max_new_tokens=max_new_tokens,

@@ -15,11 +15,13 @@ None for it).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
 class ReservedLayer:
-    """Mixed into ``DynamicLayer`` by :func:`_layer_class` (transformers is imported lazily)."""
+    """Mixed into ``DynamicLayer`` by :func:`_reserved_dynamic_layer` (transformers is imported lazily)."""
 
     def __init__(self, reserve: int, **kwargs):
         super().__init__(**kwargs)
@@ -36,7 +38,8 @@ class ReservedLayer:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        old, new = self._filled(), self._filled() + key_states.shape[-2]
+        old = self._filled()
+        new = old + key_states.shape[-2]
         if self._k is None or new > self._k.shape[-2]:  # the first update, or more positions than reserved
             k = key_states.new_empty(*key_states.shape[:-2], new + self.reserve, key_states.shape[-1])
             v = value_states.new_empty(*value_states.shape[:-2], new + self.reserve, value_states.shape[-1])
@@ -73,13 +76,11 @@ class ReservedLayer:
         self._rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
 
-_CLASSES: dict[type, type] = {}
+@functools.cache
+def _reserved_dynamic_layer() -> type:
+    from transformers.cache_utils import DynamicLayer
 
-
-def _layer_class(base: type) -> type:
-    if base not in _CLASSES:
-        _CLASSES[base] = type("Reserved" + base.__name__, (ReservedLayer, base), {})
-    return _CLASSES[base]
+    return type("ReservedDynamicLayer", (ReservedLayer, DynamicLayer), {})
 
 
 def reserved_cache(model: torch.nn.Module, reserve: int):
@@ -94,5 +95,5 @@ def reserved_cache(model: torch.nn.Module, reserve: int):
         return None
     if cache is None or not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
-    cache.layers = [_layer_class(DynamicLayer)(reserve) for _ in cache.layers]
+    cache.layers = [_reserved_dynamic_layer()(reserve) for _ in cache.layers]
     return cache

@@ -4,7 +4,8 @@
     python bench/distill.py --quick               # smoke size (~3 min)
     python bench/distill.py --steps 16 --seeds 0 1 --layers 10 --loss jsd
 
-Teacher: SmolLM2-135M-Instruct (``bundled:smollm2``, 30 layers, fp32). Student: its first ``--layers``
+Teacher: ``--teacher``, by default SmolLM2-135M-Instruct (``bundled:smollm2``, 30 layers, fp32); any folder of a
+causal LM, e.g. that model after ``configs/smollm2-math.yaml``'s GRPO (a stronger teacher on this task). Student: its first ``--layers``
 decoder layers plus its final norm and tied head (``verl_core.modeling.student.student_from_teacher``),
 the same tokenizer, warm-started (shared by both methods) by ``--warmup-steps`` SFT steps at ``--warmup-lr`` on
 the teacher's greedy answers to other prompts: a truncated model alone emits no words (on its garbage samples
@@ -74,6 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (rollout steps on-policy)")
     p.add_argument("--batch", type=int, default=8, help="student samples per step")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument(
+        "--teacher",
+        default="bundled:smollm2",
+        help="the teacher: a model folder, a .gguf file or bundled:smollm2 (the student is cut from it)",
+    )
     p.add_argument("--layers", type=int, default=10, help="student decoder layers (the teacher has 30)")
     p.add_argument("--loss", choices=("jsd", "reverse_kl"), default="jsd", help="the on-policy loss")
     p.add_argument("--jsd-beta", type=float, default=0.5, help="jsd: GKD's beta (0 forward KL, 1 reverse KL)")
@@ -181,7 +187,6 @@ def run(args) -> dict:
 
     from bench.distill_eval import HeldOut, chat_prompt, gap_closed, generate, response_texts, task_splits
     from bench.threads import resolve_threads
-    from verl_core.modeling.real_model import smollm2_path
     from verl_core.modeling.student import student_from_teacher
     from verl_core.policies import LLMPolicy
 
@@ -190,8 +195,8 @@ def run(args) -> dict:
         torch.set_num_threads(threads)
     t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="distill-bench-"))
-    teacher_path = smollm2_path()
-    teacher = LLMPolicy.from_pretrained(str(teacher_path))
+    teacher_path = args.teacher
+    teacher = LLMPolicy.from_pretrained(teacher_path)
     tok = teacher.tokenizer
     student_dir = student_from_teacher(teacher.model, args.layers, work / "student0", tokenizer=tok)
     n_train = args.steps * args.batch
@@ -327,7 +332,7 @@ def paired_counts(res: dict) -> tuple[int, int, float]:
 def table(res: dict) -> str:
     c, b = res["config"], res["student0"]
     head = (
-        f"On-policy distillation ({c['loss']}) vs SFT on teacher greedy answers; teacher SmolLM2-135M-Instruct (30 layers), "
+        f"On-policy distillation ({c['loss']}) vs SFT on teacher greedy answers; teacher {c.get('teacher', 'bundled:smollm2')}, "
         f"student = its first {c['layers']} layers + {c['warmup_steps']} shared SFT warm-up steps (lr {c['warmup_lr']}); "
         f"arithmetic chat prompts; {c['steps']} steps x {c['batch']} samples "
         f"= {c['steps'] * c['batch']} student samples per run (equal samples), lr {c['lr']}, on-policy sampling temperature "

@@ -41,6 +41,41 @@ def attn_implementation(model: torch.nn.Module) -> str:
     return getattr(config, "_attn_implementation", None) or "sdpa"
 
 
+def register_sdpa_variant(name: str, attention) -> None:
+    """Register ``attention`` with transformers' ``AttentionInterface`` as ``name`` (once), with ``sdpa``'s
+    masks: an ``sdpa_*`` name is treated as ``sdpa`` here (packed masks, prefix sharing)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+
+
+def switches_sdpa(model: torch.nn.Module) -> bool:
+    """Whether :func:`sdpa_switched_to` switches this model: its attention is transformers' ``sdpa``."""
+    base = base_module(model)
+    return getattr(getattr(base, "config", None), "_attn_implementation", None) == "sdpa" and hasattr(
+        base, "set_attn_implementation"
+    )
+
+
+@contextlib.contextmanager
+def sdpa_switched_to(model: torch.nn.Module, name: str, attention) -> Iterator[bool]:
+    """Within the block an ``sdpa`` model attends with ``attention`` (registered as ``name``), and with
+    ``sdpa`` again after it; yields whether it switched (a model :func:`switches_sdpa` rejects is left as is)."""
+    if not switches_sdpa(model):
+        yield False
+        return
+    base = base_module(model)
+    register_sdpa_variant(name, attention)
+    base.set_attn_implementation(name)
+    try:
+        yield True
+    finally:
+        base.set_attn_implementation("sdpa")
+
+
 def _last_decoder_layer(model: torch.nn.Module) -> tuple[torch.nn.Module | None, str | None]:
     """The last decoder layer, or ``None`` and why it cannot be pruned."""
     import transformers

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from verl_core.modeling.forward import base_module, sdpa_switched_to, switches_sdpa
+
 SEGMENT_SDPA = "sdpa_segments"
 SPANS_KEY = "packed_spans"  # the forward keyword the spans travel under, down to the attention function
 
@@ -79,30 +81,15 @@ def segment_sdpa_attention(
     return out, None
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    if SEGMENT_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(SEGMENT_SDPA, segment_sdpa_attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(SEGMENT_SDPA, sdpa_mask)  # an sdpa variant: its masks are sdpa's
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def applies(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> bool:
     """Whether :func:`segment_attention` computes this packed batch per sequence: a CPU ``sdpa`` model
     without gradient checkpointing, and no prompt shared by several completions."""
-    base = _base(model)
     param = next(model.parameters(), None)
     return (
         param is not None
         and param.device.type == "cpu"
-        and getattr(getattr(base, "config", None), "_attn_implementation", None) == "sdpa"
-        and hasattr(base, "set_attn_implementation")
-        and not getattr(base, "is_gradient_checkpointing", False)
+        and switches_sdpa(model)
+        and not getattr(base_module(model), "is_gradient_checkpointing", False)
         and not bool((batch["branch_ids"] > 1).any())
     )
 
@@ -114,10 +101,5 @@ def segment_attention(model: torch.nn.Module, batch: dict[str, torch.Tensor]) ->
     if not applies(model, batch):
         yield {}
         return
-    base = _base(model)
-    _register()
-    base.set_attn_implementation(SEGMENT_SDPA)
-    try:
+    with sdpa_switched_to(model, SEGMENT_SDPA, segment_sdpa_attention):
         yield {SPANS_KEY: segment_spans(batch["segment_ids"])}
-    finally:
-        base.set_attn_implementation("sdpa")

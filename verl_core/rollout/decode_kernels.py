@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from verl_core.modeling.forward import base_module, sdpa_switched_to
+
 DECODE_SDPA = "sdpa_decode"
 
 
@@ -73,20 +75,6 @@ def decode_sdpa_attention(
     return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
 
 
-def _register_decode_sdpa() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    if DECODE_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(DECODE_SDPA, decode_sdpa_attention)
-        # the name starts with "sdpa" and its masks are sdpa's: packed_forward treats it as sdpa
-        ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_SDPA, sdpa_mask)
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 @contextlib.contextmanager
 def cpu_decode_kernels(model: torch.nn.Module) -> Iterator[bool]:
     """Within the block, ``model`` (on CPU) decodes with the kernels above; yields whether it does.
@@ -95,24 +83,18 @@ def cpu_decode_kernels(model: torch.nn.Module) -> Iterator[bool]:
     ``sdpa`` model's attention becomes :func:`decode_sdpa_attention`; both are undone on exit. A model
     on another device, or one already inside this block (a nested call), is left as it is."""
     param = next(model.parameters(), None)
-    base = _base(model)
+    base = base_module(model)
     if param is None or param.device.type != "cpu" or getattr(base, "_verl_decode_kernels", False):
         yield False
         return
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and "forward" not in vars(m)]
-    config = getattr(base, "config", None)
-    switch_attention = getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(base, "set_attn_implementation")
     base._verl_decode_kernels = True
     try:
         for m in linears:
             m.forward = types.MethodType(skinny_linear_forward, m)
-        if switch_attention:
-            _register_decode_sdpa()
-            base.set_attn_implementation(DECODE_SDPA)
-        yield True
+        with sdpa_switched_to(model, DECODE_SDPA, decode_sdpa_attention):
+            yield True
     finally:
         for m in linears:
             vars(m).pop("forward", None)
-        if switch_attention:
-            base.set_attn_implementation("sdpa")
         base._verl_decode_kernels = False

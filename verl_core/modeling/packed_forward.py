@@ -28,7 +28,6 @@ from verl_core.modeling.forward import (
 )
 from verl_core.modeling.lm_head import linear_logprobs
 from verl_core.modeling.logprobs import entropy_from_logits, scaled_logprobs, token_logprobs
-from verl_core.modeling.segment_attention import segment_attention
 
 LogProbs = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # log-probs, or (log-probs, entropies)
 
@@ -94,9 +93,7 @@ def packed_forward(model: torch.nn.Module, batch: dict[str, torch.Tensor], **kwa
         mask = None  # boundaries come from the restarting position_ids
     else:
         mask = packed_attention_mask(batch, torch.float32 if kind == "additive" else None)
-    with segment_attention(model, batch) as spans:  # CPU sdpa without shared prompts: one causal SDPA per sequence
-        ids, positions = batch["input_ids"], batch["position_ids"]
-        return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **spans, **kwargs)
+    return model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"], use_cache=False, **kwargs)
 
 
 def _logprobs_at(

@@ -195,8 +195,7 @@ def run(args) -> dict:
         torch.set_num_threads(threads)
     t_start = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="distill-bench-"))
-    teacher_path = args.teacher
-    teacher = LLMPolicy.from_pretrained(teacher_path)
+    teacher = LLMPolicy.from_pretrained(args.teacher)
     tok = teacher.tokenizer
     student_dir = student_from_teacher(teacher.model, args.layers, work / "student0", tokenizer=tok)
     n_train = args.steps * args.batch
@@ -273,7 +272,7 @@ def run(args) -> dict:
     return {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "threads": threads,
-        "teacher": str(teacher_path),
+        "teacher": args.teacher,
         "teacher_accuracy": held.teacher_accuracy,
         "teacher_answers_s": round(t_teacher_answers, 1),
         "warmup_s": round(t_warm, 1),
@@ -332,7 +331,7 @@ def paired_counts(res: dict) -> tuple[int, int, float]:
 def table(res: dict) -> str:
     c, b = res["config"], res["student0"]
     head = (
-        f"On-policy distillation ({c['loss']}) vs SFT on teacher greedy answers; teacher {c.get('teacher', 'bundled:smollm2')}, "
+        f"On-policy distillation ({c['loss']}) vs SFT on teacher greedy answers; teacher {c['teacher']}, "
         f"student = its first {c['layers']} layers + {c['warmup_steps']} shared SFT warm-up steps (lr {c['warmup_lr']}); "
         f"arithmetic chat prompts; {c['steps']} steps x {c['batch']} samples "
         f"= {c['steps'] * c['batch']} student samples per run (equal samples), lr {c['lr']}, on-policy sampling temperature "

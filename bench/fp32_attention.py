@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from verl_core.modeling.forward import attn_implementation, base_module
+from verl_core.modeling.forward import attn_implementation, base_module, register_sdpa_variant
 
 FP32_CPU_SDPA = "sdpa_fp32_cpu"
 
@@ -39,12 +39,7 @@ def use_fp32_cpu_attention(model: torch.nn.Module) -> bool:
     Weights and every other op keep the autocast dtype; on GPU nothing changes. The
     implementation name is not saved with the model (``save_pretrained`` writes none).
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    if FP32_CPU_SDPA not in AttentionInterface._global_mapping:
-        AttentionInterface.register(FP32_CPU_SDPA, _sdpa_fp32_cpu)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(FP32_CPU_SDPA, sdpa_mask)
+    register_sdpa_variant(FP32_CPU_SDPA, _sdpa_fp32_cpu)
     base = base_module(model)
     if attn_implementation(base) != "sdpa":
         return False

@@ -52,22 +52,16 @@ def register_sdpa_variant(name: str, attention) -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
 
 
-def switches_sdpa(model: torch.nn.Module) -> bool:
-    """Whether :func:`sdpa_switched_to` switches this model: its attention is transformers' ``sdpa``."""
-    base = base_module(model)
-    return getattr(getattr(base, "config", None), "_attn_implementation", None) == "sdpa" and hasattr(
-        base, "set_attn_implementation"
-    )
-
-
 @contextlib.contextmanager
 def sdpa_switched_to(model: torch.nn.Module, name: str, attention) -> Iterator[bool]:
-    """Within the block an ``sdpa`` model attends with ``attention`` (registered as ``name``), and with
-    ``sdpa`` again after it; yields whether it switched (a model :func:`switches_sdpa` rejects is left as is)."""
-    if not switches_sdpa(model):
+    """Within the block a model whose attention is transformers' ``sdpa`` attends with ``attention``
+    (registered as ``name``), and with ``sdpa`` again after it; yields whether it switched (any other
+    model is left as it is)."""
+    base = base_module(model)
+    config = getattr(base, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(base, "set_attn_implementation"):
         yield False
         return
-    base = base_module(model)
     register_sdpa_variant(name, attention)
     base.set_attn_implementation(name)
     try:
